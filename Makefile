@@ -1,0 +1,36 @@
+# Two commands: `make run` (execute every chapter headless) and `make test` (the whole test suite).
+# Both create .venv and install the lab into it first when needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-fast lab lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/labkit run $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check labkit tests benchmarks
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

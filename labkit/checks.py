@@ -1,0 +1,70 @@
+"""Input validation shared by every module: one wording for every ValueError the lab raises.
+
+Pure Python (no torch). Every message names the offending value and what would be valid, e.g.
+``tp=3 does not divide n_heads=32; valid tp: 1, 2, 4, 8, 16, 32``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n`` in increasing order. Raises ValueError for n < 1."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"divisors() needs a positive integer, got {n!r}")
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def positive_int(name: str, value, *, minimum: int = 1) -> int:
+    """Return ``value`` as int if it is an integer >= ``minimum``; else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def positive_float(name: str, value, *, allow_zero: bool = False) -> float:
+    """Return ``value`` as float if it is > 0 (or >= 0 with allow_zero); else ValueError naming it."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} must be a number") from None
+    if f != f or f in (float("inf"), float("-inf")) or f < 0 or (f == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}={value!r} must be a finite number {bound}")
+    return f
+
+
+def check_divides(degree_name: str, degree: int, size_name: str, size: int, *, hint: str = "") -> None:
+    """Raise ValueError unless ``degree`` divides ``size``; the message lists the valid degrees.
+
+    Example message: ``tp=3 does not divide n_heads=32; valid tp: 1, 2, 4, 8, 16, 32``.
+    """
+    degree = positive_int(degree_name, degree)
+    size = positive_int(size_name, size)
+    if size % degree:
+        valid = ", ".join(str(d) for d in divisors(size))
+        extra = f"; {hint}" if hint else ""
+        raise ValueError(
+            f"{degree_name}={degree} does not divide {size_name}={size}; valid {degree_name}: {valid}{extra}"
+        )
+
+
+def check_choice(name: str, value, choices: Iterable) -> None:
+    """Raise ValueError unless ``value`` is one of ``choices`` (listed in the message)."""
+    choices = list(choices)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")

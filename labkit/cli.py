@@ -1,0 +1,59 @@
+"""The ``labkit`` command line: one subcommand per module in ``labkit/commands/``.
+
+Each command module defines ``NAME`` (the subcommand), ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int``. Bad input (a ValueError from labkit) is printed as one line on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import labkit.commands
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit status 2."""
+
+    def error(self, message: str):  # noqa: D401
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def command_modules() -> list:
+    mods = []
+    for info in pkgutil.iter_modules(labkit.commands.__path__):
+        if not info.name.startswith("_"):
+            mods.append(importlib.import_module(f"labkit.commands.{info.name}"))
+    return sorted(mods, key=lambda m: m.NAME)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="labkit", description="LLM Parallelism Lab: run chapters, measure, predict.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for mod in command_modules():
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except ValueError as e:
+        print(f"labkit {args.command}: error: {e}".splitlines()[0], file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"labkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
