@@ -519,7 +519,10 @@ def activation_items(spec: ModelSpec, train: TrainConfig, parallel: ParallelConf
     * RoPE: the per-layer cos/sin rows gathered for the sequence, s·head_dim·e per layer (not per token of
       the batch: they are shared across b).
     * flash (``F.scaled_dot_product_attention`` without dropout, or with dropout on CUDA): q, k, v inputs
-      (q + 2kv')·e, output q·e, logsumexp n_heads·4 (fp32).
+      (q + 2kv')·e, output q·e, logsumexp n_heads·4 (fp32). The kernel gives its output q's memory layout:
+      with RoPE q is a fresh [B, heads, T, d] tensor, so the output is too and the wo input below is a
+      copy; without RoPE q is a transposed view of the wq output, the output is laid out [B, T, heads, d]
+      and the wo input is that same storage (counted once).
       eager, and SDPA with dropout on CPU (torch falls back to the math kernel, which upcasts 16-bit inputs
       to fp32): q, k, v (q + 2kv')·e, softmax output b·a·s²·e, and with dropout its mask and output
       2·b·a·s²·e (mask: 1 byte on CUDA); eager also keeps the causal bool mask s² bytes.
@@ -587,7 +590,8 @@ def activation_items(spec: ModelSpec, train: TrainConfig, parallel: ParallelConf
     math_fallback = train.attention == "flash" and drop and cpu
     if train.attention == "flash" and not math_fallback:
         add("q, k, v (attention inputs)", n * (q + 2 * kv_eff) * e / t, note="SDPA flash")
-        add("attention output", n * q * e / t, core=True)
+        if spec.position == "rope":  # q is a fresh [B, heads, T, d] tensor: the output is too, and wo copies it
+            add("attention output", n * q * e / t, core=True)
         add("logsumexp", n * heads * 4 / t, core=True)
     else:
         ea = 4 if math_fallback else e  # the CPU math fallback upcasts 16-bit inputs to fp32
@@ -598,7 +602,9 @@ def activation_items(spec: ModelSpec, train: TrainConfig, parallel: ParallelConf
             add("attention dropout mask and output", b * heads * s * s * ((ea if cpu else 1) + ea) / t, core=True)
         if train.attention == "eager":
             add("causal mask", s * s, core=True, note="bool [s, s]")
-    add("wo input", n * q * e / t, note="transposed copy of the attention output")
+    aliased = train.attention == "flash" and not math_fallback and spec.position != "rope"
+    add("wo input", n * q * e / t, note="the attention output itself (its layout is [B, T, heads, d])" if aliased
+        else "transposed copy of the attention output")
     if drop:
         add("residual dropout masks", 2 * n * h * m / rep)
     f = spec.expert_ffn_hidden_size if moe_layer else spec.ffn_hidden_size
