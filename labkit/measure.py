@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pandas as pd
 import torch
 import torch.nn as nn
 
@@ -203,8 +204,6 @@ class SavedActivations:
 
     def table(self):
         """The saved tensors as a pandas DataFrame (label, shape, dtype, storage_bytes, duplicate, model_state)."""
-        import pandas as pd
-
         return pd.DataFrame([vars(i) for i in self.items])
 
 
@@ -316,3 +315,24 @@ def measure_training_rank(ctx, model: str = "lab-tiny-llama", *, micro_batch_siz
             ctx.barrier()
     return results
 
+
+
+LAYOUT_NAMES = {"none": "1 rank, full replica (reference)", "ddp": "DDP (ZeRO-0, replicated)",
+                "fsdp2": "FSDP2 fully_shard (ZeRO-3)"}
+
+
+def comparison_frame(results) -> pd.DataFrame:
+    """Long table of a :func:`measure_training_rank` launch: one row per (layout, rank, category) with
+    ``measured_bytes``, ``predicted_bytes`` and ``measured_over_predicted``. ``results``: what launch returned
+    (a list per rank of lists per wrap). Categories: parameters, gradients, optimizer, activations (the ones
+    measured; temporary/communication buffers and allocator headroom are not visible on CPU)."""
+    rows = []
+    for per_rank in results:
+        for r in per_rank:
+            for cat in ("parameters", "gradients", "optimizer", "activations"):
+                me, pr = r["measured"][cat], r["predicted"][cat]
+                layout = LAYOUT_NAMES[r["wrap"]] + ("" if r["wrap"] == "none" else f", dp={r['world_size']}")
+                rows.append({"layout": layout, "wrap": r["wrap"], "rank": r["rank"], "category": cat,
+                             "measured_bytes": me, "predicted_bytes": pr,
+                             "measured_over_predicted": me / pr if pr else float("nan")})
+    return pd.DataFrame(rows)

@@ -797,7 +797,8 @@ class MemoryEstimate:
 
     def verdict(self) -> str:
         """One line: the peak, and whether it fits the device."""
-        peak = f"peak {self.total_bytes / GiB:.2f} GiB per rank"
+        unit, div = ("GiB", GiB) if self.total_bytes >= GiB // 10 else ("MiB", 2**20)
+        peak = f"peak {self.total_bytes / div:.2f} {unit} per rank"
         if self.device_bytes is None:
             return f"{peak} (no device given)"
         word = "fits" if self.fits else "does NOT fit"
@@ -1137,3 +1138,47 @@ def estimate(mode: str = "train", **kwargs) -> MemoryEstimate:
     if mode == "train":
         return train_memory(model, parallel, cfg, **rest)
     return infer_memory(model, parallel, cfg, **rest)
+
+
+def layout_rows(model, layouts: Iterable[dict], *, device: str | None = None, headroom: float = DEFAULT_HEADROOM,
+                **train_kwargs) -> list[dict]:
+    """Predicted training memory of ``model`` for several parallel layouts, one row each (plain dicts, bytes):
+    the layout's fields (dp, tp, pp, zero, ...), ``world_size``, every category, ``total_bytes``, ``stage``
+    and ``fits`` on ``device``. ``train_kwargs`` are TrainConfig fields shared by every row. A layout that does
+    not divide the model raises ValueError naming it."""
+    rows = []
+    for lay in layouts:
+        par = ParallelConfig(**lay)
+        est = train_memory(model, par, TrainConfig(**train_kwargs), device=device, headroom=headroom)
+        rows.append({**asdict(par), "world_size": par.world_size, **est.categories,
+                     "total_bytes": est.total_bytes, "stage": est.stage, "fits": est.fits})
+    return rows
+
+
+def serving_rows(model, workloads: Iterable[dict], *, device: str | None = None, headroom: float = DEFAULT_HEADROOM,
+                 **parallel_kwargs) -> list[dict]:
+    """Predicted serving memory of ``model`` for several workloads (InferConfig fields: batch, prompt_len,
+    output_len, weight_dtype, ...), one row each: the workload, every category (bytes), ``total_bytes``,
+    ``fits`` on ``device``, and ``max_batch`` — the most concurrent sequences whose peak still fits (None
+    without a device)."""
+    par = ParallelConfig(**parallel_kwargs)
+    rows = []
+    for wl in workloads:
+        cfg = InferConfig(**wl)
+        est = infer_memory(model, par, cfg, device=device, headroom=headroom)
+        row = {**wl, **est.categories, "total_bytes": est.total_bytes, "fits": est.fits, "max_batch": None}
+        if est.device_bytes is not None:
+            lo, hi = 0, 1
+            while infer_memory(model, par, replace(cfg, batch=hi), device=device, headroom=headroom).fits:
+                lo, hi = hi, hi * 2
+                if hi > 1 << 20:
+                    break
+            while hi - lo > 1:  # largest batch that fits, by bisection
+                mid = (lo + hi) // 2
+                if infer_memory(model, par, replace(cfg, batch=mid), device=device, headroom=headroom).fits:
+                    lo = mid
+                else:
+                    hi = mid
+            row["max_batch"] = lo
+        rows.append(row)
+    return rows
