@@ -288,6 +288,10 @@ def test_invalid_moe_and_vocab_and_ffn():
         m.estimate("train", model="llama-3-8b", bogus=1)
     with pytest.raises(ValueError, match="n_params=-5"):
         m.train_memory(-5)
+    with pytest.raises(ValueError, match="hidden_size=-64 must be an integer >= 1"):
+        m.train_memory(get_spec("llama-3-8b").replace(hidden_size=-64))
+    with pytest.raises(ValueError, match="n_layers=0 must be an integer >= 1"):
+        m.estimate("train", model=get_spec("lab-tiny-llama").replace(n_layers=0))
 
 
 # ------------------------------------------------------------------------------------------------------
