@@ -467,8 +467,7 @@ def sweep(ops: str | Sequence[str] = "all", sizes: Sequence[int | str] | None = 
         verify: check every op's values once per size (``wrong`` column).
 
     Returns:
-        DataFrame, one row per (timing, op, bytes), every number measured; ``attrs["raw"]`` holds the
-        per-rank, per-repeat times.
+        DataFrame, one row per (timing, op, bytes), every number measured (see :func:`summarize`).
 
     Raises:
         ValueError: unknown op/dtype/timing, bad sizes, world_size < 2 — before any rank starts.
@@ -487,14 +486,9 @@ def sweep(ops: str | Sequence[str] = "all", sizes: Sequence[int | str] | None = 
                  align=not explicit)
     res = launch(_sweep_all_rank, world_size, cases, dtype, warmup, repeats, iters, tuple(timings), verify,
                  backend=backend, timeout_s=timeout_s, echo=echo)
-    frames, raws = [], []
-    for i, timing in enumerate(timings):
-        raw = raw_frame([r[i] for r in res])
-        frames.append(summarize(raw, world_size, dtype=dtype, backend=res.backend, timing=timing))
-        raws.append(raw.assign(timing=timing))
-    df = pd.concat(frames, ignore_index=True)
-    df.attrs["raw"] = pd.concat(raws, ignore_index=True)
-    return df
+    frames = [summarize(raw_frame([r[i] for r in res]), world_size, dtype=dtype, backend=res.backend,
+                        timing=timing) for i, timing in enumerate(timings)]
+    return pd.concat(frames, ignore_index=True)
 
 
 def _sweep_all_rank(ctx, cases, dtype, warmup, repeats, iters, timings, verify):
