@@ -4,8 +4,8 @@ re-partition (all-to-all) moves beside a reduce-scatter.
 
 Run side: the ``*_rank`` functions run inside ranks started by :func:`labkit.launch` (``launch(fn, n, ...)``);
 the plain functions (:func:`sweep`, :func:`ar_vs_rs_ag`, :func:`overlap`, :func:`repartition_bytes`) launch
-them and return pandas DataFrames / dicts. The formulas (busbw factors, alpha-beta) live in
-:mod:`labkit.costmodel` and are re-exported here.
+them and return pandas DataFrames / dicts; :func:`measure` runs several of them in one launch. The formulas
+(busbw factors, alpha-beta) live in :mod:`labkit.costmodel` and are re-exported here.
 
 Timing rules (every measured number here follows them): ``warmup`` untimed calls first; before each timed
 repeat a barrier (device synchronised first); the device synchronised again before the clock is read (CUDA
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from labkit.checks import check_choice, check_divides, positive_int
+from labkit.checks import check_choice, positive_int
 from labkit.costmodel import (  # noqa: F401 - re-exported: the sweep's formulas
     FACTOR_TEXT,
     OPS,
@@ -195,9 +195,8 @@ def make_buffers(op: str, count: int, rank: int, world_size: int, dtype: str, de
         x = _pattern(count, rank, dtype, device)
         return x, x
     if op == "broadcast":
-        if rank == 0:
-            return (x := _pattern(count, 1, dtype, device)), x
-        x = torch.full((count,), -1, dtype=td, device=device)
+        x = _pattern(count, 1, dtype, device) if rank == 0 else torch.full((count,), -1, dtype=td,
+                                                                            device=device)
         return x, x
     if op == "all_gather":
         return _pattern(count // n, rank, dtype, device), torch.empty(count, dtype=td, device=device)
@@ -473,21 +472,28 @@ def sweep(ops: str | Sequence[str] = "all", sizes: Sequence[int | str] | None = 
         ValueError: unknown op/dtype/timing, bad sizes, world_size < 2 — before any rank starts.
         labkit.LaunchError: a rank failed or the run timed out.
     """
-    from labkit.launcher import launch
+    spec = {"ops": ops, "sizes": sizes, "min_size": min_size, "max_size": max_size, "factor": factor,
+            "dtype": dtype, "warmup": warmup, "repeats": repeats, "iters": iters, "timings": timings,
+            "verify": verify}
+    return measure(world_size, sweep=spec, backend=backend, timeout_s=timeout_s, echo=echo)["sweep"]
 
-    world_size = positive_int("world_size", world_size)
-    warmup = positive_int("warmup", warmup, minimum=0)
-    repeats = positive_int("repeats", repeats)
-    iters = positive_int("iters", iters)
+
+def _sweep_prepare(world_size: int, ops="all", sizes=None, min_size="1K", max_size="4M", factor=2,
+                   dtype="float32", warmup=3, repeats=5, iters=1, timings=("synchronised",),
+                   verify=True) -> dict:
     for t in timings:
         check_choice("timing", t, TIMINGS)
     explicit = sizes is not None
     cases = plan(ops, list(sizes) if explicit else size_range(min_size, max_size, factor), world_size, dtype,
                  align=not explicit)
-    res = launch(_sweep_all_rank, world_size, cases, dtype, warmup, repeats, iters, tuple(timings), verify,
-                 backend=backend, timeout_s=timeout_s, echo=echo)
-    frames = [summarize(raw_frame([r[i] for r in res]), world_size, dtype=dtype, backend=res.backend,
-                        timing=timing) for i, timing in enumerate(timings)]
+    return {"cases": cases, "dtype": dtype, "warmup": positive_int("warmup", warmup, minimum=0),
+            "repeats": positive_int("repeats", repeats), "iters": positive_int("iters", iters),
+            "timings": tuple(timings), "verify": bool(verify)}
+
+
+def _sweep_finish(per_rank: list, spec: dict, world_size: int, res) -> pd.DataFrame:
+    frames = [summarize(raw_frame([r[i] for r in per_rank]), world_size, dtype=spec["dtype"],
+                        backend=res.backend, timing=timing) for i, timing in enumerate(spec["timings"])]
     return pd.concat(frames, ignore_index=True)
 
 
@@ -728,22 +734,29 @@ def ar_vs_rs_ag(nbytes: int | str = "1M", world_size: int = 2, *, dtype: str = "
     ``reduce_scatter``, ``all_gather`` with *measured* time_s/min/max (slowest rank per repeat) and the
     *predicted* bytes each rank sends in a ring, ``ring_bytes_per_rank`` = 2(n-1)/n S, (n-1)/n S + (n-1)/n S,
     (n-1)/n S, (n-1)/n S — Thakur et al. 2005 sec. 4), ``equal`` (bool, all ranks), ``max_abs_diff``,
-    ``wrong``. Raises ValueError for sizes reduce_scatter cannot take (see :func:`check_size`)."""
-    from labkit.launcher import launch
+    ``wrong``, ``backend``. Raises ValueError for sizes reduce_scatter cannot take (:func:`check_size`)."""
+    spec = {"nbytes": nbytes, "dtype": dtype, "warmup": warmup, "repeats": repeats}
+    return measure(world_size, ar_vs_rs_ag=spec, backend=backend, echo=echo)["ar_vs_rs_ag"]
 
-    nbytes = parse_size(nbytes)
+
+def _ar_prepare(world_size: int, nbytes="1M", dtype="float32", warmup=2, repeats=5) -> dict:
+    nbytes = parse_size(nbytes, "nbytes")
     check_size("reduce_scatter", nbytes, world_size, dtype)
-    res = launch(ar_vs_rs_ag_rank, world_size, nbytes, dtype, warmup, repeats, backend=backend, echo=echo)
-    n, f = world_size, (world_size - 1) / world_size
+    return {"nbytes": nbytes, "dtype": dtype, "warmup": positive_int("warmup", warmup, minimum=0),
+            "repeats": positive_int("repeats", repeats)}
+
+
+def _ar_finish(per_rank: list, spec: dict, world_size: int, res) -> dict:
+    n, f, nbytes = world_size, (world_size - 1) / world_size, spec["nbytes"]
     rows = []
     for key, label, moved in (("all_reduce", "all_reduce", 2 * f),
                               ("rs_ag", "reduce_scatter + all_gather", 2 * f),
                               ("reduce_scatter", "reduce_scatter", f), ("all_gather", "all_gather", f)):
         rows.append({"method": label, "world_size": n, "bytes": nbytes,
-                     **_stats(_slowest([r[key] for r in res])), "ring_bytes_per_rank": moved * nbytes})
-    return {"table": pd.DataFrame(rows), "equal": all(r["equal"] for r in res),
-            "max_abs_diff": max(r["max_abs_diff"] for r in res), "wrong": sum(r["wrong"] for r in res),
-            "backend": res.backend}
+                     **_stats(_slowest([r[key] for r in per_rank])), "ring_bytes_per_rank": moved * nbytes})
+    return {"table": pd.DataFrame(rows), "equal": all(r["equal"] for r in per_rank),
+            "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
+            "wrong": sum(r["wrong"] for r in per_rank), "backend": res.backend}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -845,18 +858,24 @@ def overlap_summary(timeline: pd.DataFrame, serial_steps: Sequence[int],
 
 def overlap(world_size: int = 2, nbytes: int | str = "4M", *, matmul_size: int = 256, n_matmuls: int = 8,
             steps: int = 4, backend: str = "auto", echo: bool = False) -> dict:
-    """Launch :func:`overlap_rank`; returns ``{"summary": overlap_summary(...), "timeline": DataFrame}``.
-    Raises ValueError for nbytes not a positive multiple of 4 or world_size < 2."""
-    from labkit.launcher import launch
+    """Launch :func:`overlap_rank`; returns ``{"summary": overlap_summary(...), "timeline": DataFrame,
+    "backend": str}``. Raises ValueError for nbytes not a positive multiple of 4 or world_size < 2."""
+    spec = {"nbytes": nbytes, "matmul_size": matmul_size, "n_matmuls": n_matmuls, "steps": steps}
+    return measure(world_size, overlap=spec, backend=backend, echo=echo)["overlap"]
 
-    nbytes = parse_size(nbytes)
+
+def _overlap_prepare(world_size: int, nbytes="4M", matmul_size=256, n_matmuls=8, steps=4) -> dict:
+    nbytes = parse_size(nbytes, "nbytes")
     check_size("all_reduce", nbytes, world_size, "float32")
-    steps = positive_int("steps", steps)
-    res = launch(overlap_rank, world_size, nbytes, positive_int("matmul_size", matmul_size),
-                 positive_int("n_matmuls", n_matmuls), steps, backend=backend, echo=echo)
-    r0 = res[0]
-    return {"summary": overlap_summary(res.timeline, r0["serial_steps"], r0["overlap_steps"]),
-            "timeline": res.timeline, "backend": res.backend}
+    return {"nbytes": nbytes, "matmul_size": positive_int("matmul_size", matmul_size),
+            "n_matmuls": positive_int("n_matmuls", n_matmuls), "steps": positive_int("steps", steps)}
+
+
+def _overlap_finish(per_rank: list, spec: dict, world_size: int, res) -> dict:
+    tl = res.timeline[res.timeline["name"].isin(["matmul", "all_reduce"])].reset_index(drop=True)
+    r0 = per_rank[0]
+    return {"summary": overlap_summary(tl, r0["serial_steps"], r0["overlap_steps"]), "timeline": tl,
+            "backend": res.backend}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -922,21 +941,77 @@ def repartition_bytes(world_size: int = 2, nbytes: int | str = "4M", *, dtype: s
     sec. 4; nccl-tests doc/PERFORMANCE.md), whose ratio is n: 8x at TP8.
 
     Returns one row per op: op, world_size, M_bytes, measured_bytes_per_rank, predicted_bytes_per_rank,
-    measured/predicted. Raises ValueError when M is not divisible into n*n elements."""
-    from labkit.launcher import launch
+    measured_over_predicted. Raises ValueError when M cannot be split into n shards of n chunks each."""
+    spec = {"nbytes": nbytes, "dtype": dtype}
+    return measure(world_size, repartition=spec, backend=backend, echo=echo)["repartition"]
 
-    nbytes = parse_size(nbytes)
-    world_size = positive_int("world_size", world_size, minimum=2)
-    check_divides("world_size^2", world_size * world_size, "elements of M", nbytes // element_size(dtype),
-                  hint="M is split into n shards, and each shard into n chunks")
-    res = launch(repartition_rank, world_size, nbytes, dtype, backend=backend, echo=echo)
-    f = (world_size - 1) / world_size
+
+def _repartition_prepare(world_size: int, nbytes="4M", dtype="float32") -> dict:
+    nbytes = parse_size(nbytes, "nbytes")
+    check_size("reduce_scatter", nbytes, world_size, dtype)
+    check_size("all_to_all", nbytes // world_size, world_size, dtype)
+    return {"nbytes": nbytes, "dtype": dtype}
+
+
+def _repartition_finish(per_rank: list, spec: dict, world_size: int, res) -> pd.DataFrame:
+    nbytes, f = spec["nbytes"], (world_size - 1) / world_size
     pred = {"all_to_all": f * nbytes / world_size, "reduce_scatter": f * nbytes}
     rows = []
     for op in ("all_to_all", "reduce_scatter"):
-        vals = [r[op] for r in res]
+        vals = [r[op] for r in per_rank]
         measured = float("nan") if any(v is None for v in vals) else statistics.mean(vals)
         rows.append({"op": op, "world_size": world_size, "M_bytes": nbytes,
                      "measured_bytes_per_rank": measured, "predicted_bytes_per_rank": pred[op],
                      "measured_over_predicted": measured / pred[op]})
     return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------------------------------
+# several experiments, one launch
+# ------------------------------------------------------------------------------------------------------
+#: experiment name -> (prepare(world_size, **spec) -> rank kwargs, rank function, finish(...) -> result)
+EXPERIMENTS = {
+    "sweep": (_sweep_prepare, _sweep_all_rank, _sweep_finish),
+    "ar_vs_rs_ag": (_ar_prepare, ar_vs_rs_ag_rank, _ar_finish),
+    "repartition": (_repartition_prepare, repartition_rank, _repartition_finish),
+    "overlap": (_overlap_prepare, overlap_rank, _overlap_finish),
+}
+
+
+def _measure_rank(ctx, plan: dict) -> dict:
+    """Inside a rank: run each planned experiment's rank function in turn."""
+    return {name: EXPERIMENTS[name][1](ctx, **kwargs) for name, kwargs in plan.items()}
+
+
+def measure(world_size: int = 2, *, sweep: dict | None = None, ar_vs_rs_ag: dict | None = None,
+            repartition: dict | None = None, overlap: dict | None = None, backend: str = "auto",
+            timeout_s: float = 300.0, echo: bool = False) -> dict:
+    """Run several of this module's experiments in **one** launch (a launch costs seconds: spawn, import
+    torch, rendezvous), in the order sweep, ar_vs_rs_ag, repartition, overlap.
+
+    Each argument is None (skip) or a dict of that experiment's keyword arguments, as taken by
+    :func:`sweep` (ops, sizes, min_size, max_size, factor, dtype, warmup, repeats, iters, timings, verify),
+    :func:`ar_vs_rs_ag` (nbytes, dtype, warmup, repeats), :func:`repartition_bytes` (nbytes, dtype) and
+    :func:`overlap` (nbytes, matmul_size, n_matmuls, steps). Every spec is validated before any rank starts.
+
+    Returns a dict with one entry per experiment run, each what the single function returns.
+
+    Raises:
+        ValueError: world_size < 2, no experiment, an unknown keyword, or an experiment's own bad input.
+        labkit.LaunchError: a rank failed or the run timed out.
+    """
+    from labkit.launcher import launch
+
+    world_size = positive_int("world_size", world_size)  # each experiment says how many ranks its ops need
+    specs = {"sweep": sweep, "ar_vs_rs_ag": ar_vs_rs_ag, "repartition": repartition, "overlap": overlap}
+    specs = {k: v for k, v in specs.items() if v is not None}
+    if not specs:
+        raise ValueError(f"measure() got no experiment; give at least one of: {', '.join(EXPERIMENTS)}")
+    plan = {}
+    for name, spec in specs.items():
+        try:
+            plan[name] = EXPERIMENTS[name][0](world_size, **spec)
+        except TypeError as e:
+            raise ValueError(f"{name}={spec!r}: {e}") from None
+    res = launch(_measure_rank, world_size, plan, backend=backend, timeout_s=timeout_s, echo=echo)
+    return {name: EXPERIMENTS[name][2]([r[name] for r in res], plan[name], world_size, res) for name in plan}

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from labkit import collectives as col
-from labkit import launch
 from labkit.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,87 +209,94 @@ def test_reference_absent_is_labelled_and_roundtrips(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------
-# real runs: one launch per world size runs every rank function of the chapter
+# real runs: one launch per world size runs every experiment of the chapter (labkit.collectives.measure)
 # ------------------------------------------------------------------------------------------------------
-def _everything_rank(ctx, cases, bf16_cases):
-    return {
-        "sweep": col.sweep_rank(ctx, cases, "float32", warmup=1, repeats=2),
-        "unsync": col.sweep_rank(ctx, cases[:2], "float32", warmup=1, repeats=2, timing="unsynchronised"),
-        "bf16": col.sweep_rank(ctx, bf16_cases, "bfloat16", warmup=0, repeats=1, iters=2),
-        "ar": col.ar_vs_rs_ag_rank(ctx, 64 * ctx.world_size * 4, warmup=1, repeats=2),
-        "rep": col.repartition_rank(ctx, 1024 * ctx.world_size**2),
-        "ov": col.overlap_rank(ctx, 1 << 16, matmul_size=32, n_matmuls=2, steps=2),
-    }
-
-
 @pytest.fixture(scope="module", params=[2, 4])
 def everything(request):
     n = request.param
-    cases = col.plan("all", [4 * n, 4096 * n], n)
-    bf16 = col.plan("all", [2 * n * 8], n, "bfloat16")
-    res = launch(_everything_rank, n, cases, bf16, timeout_s=120, echo=False)
-    return n, cases, res
+    run = col.measure(n, sweep={"sizes": [4 * n, 4096 * n], "warmup": 1, "repeats": 2,
+                                "timings": ("synchronised", "unsynchronised")},
+                      ar_vs_rs_ag={"nbytes": 64 * n * 4, "warmup": 1, "repeats": 2},
+                      repartition={"nbytes": 1024 * n * n},
+                      overlap={"nbytes": 1 << 16, "matmul_size": 32, "n_matmuls": 2, "steps": 2},
+                      timeout_s=120)
+    return n, run
 
 
 def test_every_collective_returns_the_right_values(everything):
-    n, cases, res = everything
-    raw = col.raw_frame([r["sweep"] for r in res])
-    assert set(raw["op"]) == set(col.OPS) and set(raw["rank"]) == set(range(n))
-    assert (raw["wrong"] == 0).all(), raw[raw["wrong"] != 0]
-    assert (raw["time_s"] > 0).all()
-    bf16 = col.raw_frame([r["bf16"] for r in res])
-    assert set(bf16["op"]) == set(col.OPS) and (bf16["wrong"] == 0).all()
-    df = col.summarize(raw, n)
-    assert len(df) == len(cases)
+    n, run = everything
+    df = run["sweep"]
+    for timing in ("synchronised", "unsynchronised"):
+        rows = df[df["timing"] == timing]
+        assert sorted(zip(rows["op"], rows["bytes"], strict=True)) == sorted(
+            (op, s) for op in col.OPS for s in (4 * n, 4096 * n))
+    assert (df["wrong"] == 0).all(), df[df["wrong"] != 0]  # every op's values checked on every rank
+    assert (df["backend"] == "gloo").all() and (df["world_size"] == n).all() and (df["repeats"] == 2).all()
     for r in df.itertuples():
         assert r.bus_factor == pytest.approx(col.bus_factor(r.op, n))
         assert r.busbw_gbps == pytest.approx(r.algbw_gbps * r.bus_factor)
         assert r.algbw_gbps == pytest.approx(r.bytes / r.time_s / 1e9)
         assert r.count * 4 == r.bytes
-    unsync = col.summarize(col.raw_frame([r["unsync"] for r in res]), n, timing="unsynchronised")
-    assert (unsync["timing"] == "unsynchronised").all() and (unsync["wrong"] == 0).all()
+        assert 0 < r.time_min_s <= r.time_s <= r.time_max_s
 
 
 def test_allreduce_equals_reducescatter_plus_allgather(everything):
-    n, _, res = everything
-    for r in (x["ar"] for x in res):
-        assert r["equal"] and r["max_abs_diff"] == 0.0 and r["wrong"] == 0
-        assert all(len(r[k]) == 2 and min(r[k]) > 0 for k in ("all_reduce", "rs_ag", "reduce_scatter",
-                                                                "all_gather"))
+    n, run = everything
+    ar = run["ar_vs_rs_ag"]
+    assert ar["equal"] and ar["max_abs_diff"] == 0.0 and ar["wrong"] == 0
+    t = ar["table"].set_index("method")
+    assert list(t.index) == ["all_reduce", "reduce_scatter + all_gather", "reduce_scatter", "all_gather"]
+    assert (t["time_min_s"] > 0).all() and (t["repeats"] == 2).all()
+    s = 64 * n * 4
+    assert t.loc["all_reduce", "ring_bytes_per_rank"] == pytest.approx(2 * (n - 1) / n * s)
+    ring = t["ring_bytes_per_rank"]
+    assert ring["reduce_scatter + all_gather"] == ring["all_reduce"] == 2 * ring["reduce_scatter"]
 
 
 def test_repartition_moves_n_times_fewer_bytes_than_reduce_scatter(everything):
-    n, _, res = everything
+    n, run = everything
+    rep = run["repartition"].set_index("op")
     m = 1024 * n * n
-    a2a = [r["rep"]["all_to_all"] for r in res]
-    rs = [r["rep"]["reduce_scatter"] for r in res]
-    if any(v is None for v in a2a + rs):
+    assert rep.loc["all_to_all", "predicted_bytes_per_rank"] == (n - 1) / n * m / n
+    assert rep.loc["reduce_scatter", "predicted_bytes_per_rank"] == (n - 1) / n * m
+    if col.socket_bytes_written() is None:
         pytest.skip("no /proc/self/io on this platform")
-    # all-to-all of the M/n shard: each rank sends (n-1)/n * M/n (+ small headers)
-    for v in a2a:
-        assert (n - 1) / n * m / n <= v < (n - 1) / n * m / n * 1.2 + 2048
+    a2a, rs = rep["measured_bytes_per_rank"]["all_to_all"], rep["measured_bytes_per_rank"]["reduce_scatter"]
+    # all-to-all of the M/n shard: each rank sends (n-1)/n * M/n, plus a few headers
+    assert (n - 1) / n * m / n <= a2a < (n - 1) / n * m / n * 1.2 + 2048
     # gloo's reduce_scatter is an all-reduce underneath: at least the ring's (n-1)/n * M
-    for v in rs:
-        assert v >= (n - 1) / n * m
-    assert sum(rs) / sum(a2a) >= 0.8 * n
+    assert rs >= (n - 1) / n * m
+    assert rs / a2a >= 0.8 * n
 
 
 def test_overlap_timeline_and_summary(everything):
-    n, _, res = everything
-    tl = res.timeline
+    n, run = everything
+    tl, s = run["overlap"]["timeline"], run["overlap"]["summary"]
     assert set(tl["rank"]) == set(range(n))
     assert set(tl["name"]) == {"matmul", "all_reduce"}
     assert (tl.loc[tl["kind"] == "comm", "nbytes"] == 1 << 16).all()
-    s = col.overlap_summary(tl, res[0]["ov"]["serial_steps"], res[0]["ov"]["overlap_steps"])
+    assert sorted(tl["step"].unique()) == [0, 1, 2, 3]
     assert list(s["mode"]) == ["serialised", "overlapped"]
-    ser = s.iloc[0]
+    ser, ov = s.iloc[0], s.iloc[1]
     # serialised: compute and comm do not overlap, so all comm is exposed
     assert ser["exposed_comm_s"] == pytest.approx(ser["comm_s"])
     assert ser["hidden_fraction"] == pytest.approx(0.0)
     assert (s[["compute_s", "comm_s", "step_s"]] > 0).all().all()
-    ov = s.iloc[1]
     assert ov["exposed_comm_s"] <= ov["comm_s"]
     assert ov["hidden_fraction"] == pytest.approx(1 - ov["exposed_comm_s"] / ser["comm_s"])
+
+
+def test_measure_bad_input_before_launch():
+    with pytest.raises(ValueError, match="no experiment"):
+        col.measure(2)
+    with pytest.raises(ValueError, match=r"overlap=.*unexpected keyword argument 'size'"):
+        col.measure(2, overlap={"size": "4M"})
+    with pytest.raises(ValueError, match=r"all_to_all splits its buffer into world_size=4"):
+        col.measure(4, repartition={"nbytes": 32})
+    with pytest.raises(ValueError, match=r"world_size=1 is too small for op='reduce_scatter'"):
+        col.measure(1, ar_vs_rs_ag={"nbytes": "1K"})
+    with pytest.raises(ValueError, match=r"timing='sloppy' is not valid"):
+        col.measure(2, sweep={"timings": ("sloppy",)})
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -320,19 +326,19 @@ def test_cli_bench_needs_a_benchmark(capsys):
     assert "collectives" in capsys.readouterr().err
 
 
-def test_cli_json_rows(capsys):
-    rc = cli_main(["bench", "collectives", "--world-size", "2", "--ops", "all_reduce,all_gather",
+def test_cli_json_rows_all_ops_bfloat16(capsys):
+    rc = cli_main(["bench", "collectives", "--world-size", "2", "--ops", "all", "--dtype", "bfloat16",
                    "--min-size", "1K", "--max-size", "16K", "--step-factor", "4", "--warmup", "1",
                    "--repeats", "2", "--json"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["op"], r["bytes"]) for r in rows] == [(op, s) for op in ("all_reduce", "all_gather")
-                                                     for s in (1024, 4096, 16384)]
+    assert [(r["op"], r["bytes"]) for r in rows] == [(op, s) for op in col.OPS for s in (1024, 4096, 16384)]
     for r in rows:
         assert {"op", "world_size", "bytes", "time_s", "algbw_gbps", "busbw_gbps"} <= set(r)
-        assert r["world_size"] == 2 and r["wrong"] == 0
+        assert r["world_size"] == 2 and r["dtype"] == "bfloat16" and r["count"] == r["bytes"] // 2
+        assert r["wrong"] == 0, r  # bfloat16 values checked for every op
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
-        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * (1.0 if r["op"] == "all_reduce" else 0.5))
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * col.bus_factor(r["op"], 2))
 
 
 # ------------------------------------------------------------------------------------------------------
