@@ -39,6 +39,7 @@ from labkit.costmodel import (  # noqa: F401 - re-exported: the sweep's formulas
     SPLIT_OPS,
     AlphaBeta,
     algbw_gbps,
+    bandwidth_ladder,
     bus_factor,
     busbw_gbps,
     check_world_size,
@@ -397,7 +398,7 @@ def summarize(raw: pd.DataFrame, world_size: int, *, dtype: str = "float32", bac
         times = sorted(g["time_s"])
         med = statistics.median(times)
         f = bus_factor(op, world_size)
-        alg = nbytes / med / 1e9 if med > 0 else float("inf")
+        alg = algbw_gbps(nbytes, med) if med > 0 else float("inf")  # a zero time reads as infinitely fast
         rows.append({"op": op, "world_size": world_size, "backend": backend, "dtype": dtype, "timing": timing,
                      "bytes": int(nbytes), "count": int(count), "repeats": len(times), "time_s": med,
                      "time_min_s": times[0], "time_max_s": times[-1], "algbw_gbps": alg, "bus_factor": f,
@@ -411,8 +412,6 @@ def summarize(raw: pd.DataFrame, world_size: int, *, dtype: str = "float32", bac
 def plausible_gbps() -> float:
     """The fastest bandwidth in data/hardware.yaml (memory or link, GB/s): no collective's algbw or busbw
     can exceed it on any machine the lab knows."""
-    from labkit.costmodel import bandwidth_ladder
-
     return max(r["bandwidth_gbps"] for r in bandwidth_ladder())
 
 
