@@ -1,0 +1,900 @@
+"""Serving: a small decode loop with a KV cache on the lab's model, replicas vs tensor parallelism on the same
+ranks, latency under load, and the failures a server must survive.
+
+Measured (run side, inside ranks launched by :func:`labkit.launch`):
+
+* :class:`Engine` — prefill (one prompt at a time, the whole prompt in one forward pass, its keys and values
+  written into the request's KV cache) and batched decode (one token for every in-flight request per step,
+  attending to its cache). Requests wait in a queue and are admitted while fewer than ``concurrency`` are in
+  flight; an admitted request is prefilled at once (prefill first, as a server without chunked prefill does),
+  so a long prompt stalls the decode of the others. Greedy sampling (argmax), so runs are deterministic.
+* KV cache: one tensor per request, ``[n_layers, 2, n_kv_heads/tp, prompt_len + max_new_tokens, head_dim]``,
+  reserved at admission and freed when the request finishes or is cancelled. :meth:`Engine.live_kv_bytes`
+  *measures* the bytes of the cache tensors still alive (weak references to every cache ever allocated: a
+  leaked reference keeps its bytes counted); :func:`labkit.memory.kv_cache_bytes` *predicts* them.
+* Tensor parallelism for inference, written here (``labkit.parallel.tensor`` had not landed on main when this
+  was written): the attention heads (query and key/value heads together, so grouped-query attention keeps
+  its groups) and the MLP's hidden units are split over the TP group; the output projections ``wo`` and
+  ``w_down``/``fc_out`` become row-parallel and all-reduce their partial sums (Shoeybi et al. 2019,
+  "Megatron-LM", Sec. 3, Fig. 3: one all-reduce after attention and one after the MLP per layer). Embedding
+  and output head are replicated. Every rank keeps ``n_kv_heads/tp`` heads of the cache.
+* Metrics per request: TTFT (time to first token: queueing + prefill, from the request's arrival), TPS
+  (decode tokens per second of that request, after its first token), end-to-end time; per run: p50/p95 of
+  both, aggregate tokens/s, prefill vs decode time, all-reduce time.
+* Failures: a cancel storm (half the in-flight requests cancelled at one step; the KV bytes measured before
+  and after) and a lost rank (replicas: the lost replica's requests fail and are retried on the others,
+  which never stop serving; TP: the survivors' next all-reduce times out, every in-flight request fails and
+  is retried once the group is rebuilt with a replacement rank). Errors are counted by type.
+
+Predicted (pure arithmetic, no launch): :func:`predict_deployments` — replicas vs TP for a published model on
+real GPUs (memory from :mod:`labkit.memory`, all-reduce time from :mod:`labkit.costmodel`, a roofline for
+prefill and decode).
+
+Every table says in a ``source`` column whether its numbers are measured or predicted.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit import memory as mem
+from labkit.checks import check_choice, check_divides, positive_float, positive_int
+from labkit.models import Transformer, apply_rope, build_model
+from labkit.spec import ModelSpec, get_spec
+from labkit.timeline import now_ns
+
+MODES = ("replicas", "tp")
+#: error types a request can end with (besides "ok")
+ERROR_TYPES = ("cancelled", "rank_lost", "comm_timeout")
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class RankLost(RuntimeError):
+    """Raised inside the rank chosen to be lost, at the decode step chosen for it (failure injection)."""
+
+
+# ------------------------------------------------------------------------------------------------------
+# workload
+# ------------------------------------------------------------------------------------------------------
+def make_workload(n_requests: int = 16, *, short_prompt: int = 16, long_prompt: int = 96, long_every: int = 4,
+                  output_len: int = 16) -> list[dict]:
+    """A mixed load: ``n_requests`` requests, every ``long_every``-th one (rid 0, long_every, ...) with a
+    ``long_prompt``-token prompt, the others ``short_prompt`` tokens; each asks for ``output_len`` new tokens.
+    Returns plain dicts ``{rid, kind, prompt_len, max_new_tokens}``; all requests arrive at time 0 (a closed
+    loop: the concurrency cap decides when each is admitted).
+
+    Raises ValueError for non-positive sizes.
+    """
+    n_requests = positive_int("n_requests", n_requests)
+    short_prompt = positive_int("short_prompt", short_prompt)
+    long_prompt = positive_int("long_prompt", long_prompt)
+    long_every = positive_int("long_every", long_every)
+    output_len = positive_int("output_len", output_len)
+    return [{"rid": i, "kind": "long" if i % long_every == 0 else "short",
+             "prompt_len": long_prompt if i % long_every == 0 else short_prompt, "max_new_tokens": output_len}
+            for i in range(n_requests)]
+
+
+def prompt_tokens(rid: int, prompt_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """The prompt of request ``rid``: int64 [prompt_len], a pure function of (seed, rid), so every rank of a
+    TP group and every replica builds the same prompt."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + int(rid))
+    return torch.randint(vocab_size, (prompt_len,), generator=g)
+
+
+def _check_workload(spec: ModelSpec, requests: list[dict]) -> None:
+    for r in requests:
+        ctx_len = r["prompt_len"] + r["max_new_tokens"]
+        if ctx_len > spec.max_seq_len:
+            raise ValueError(f"request {r['rid']}: prompt_len + max_new_tokens = {ctx_len} exceeds the model's "
+                             f"max_seq_len={spec.max_seq_len}; shorten the prompt or the output")
+
+
+# ------------------------------------------------------------------------------------------------------
+# tensor parallelism for inference (minimal, no autograd)
+# ------------------------------------------------------------------------------------------------------
+class CommClock:
+    """Accumulated all-reduce time (ns, measured) and call count of one engine."""
+
+    def __init__(self):
+        self.ns = 0
+        self.calls = 0
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_i @ W_i^T) + b``: this rank's block of input columns of a linear layer; the partial
+    products are summed over ``group`` (Shoeybi et al. 2019, Sec. 3). x [..., in/tp] -> y [..., out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, clock: CommClock):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group = group
+        self.clock = clock
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        t0 = now_ns()
+        dist.all_reduce(y, group=self.group)
+        self.clock.ns += now_ns() - t0
+        self.clock.calls += 1
+        return y if self.bias is None else y + self.bias
+
+
+def _keep_rows(lin: nn.Linear, start: int, stop: int) -> None:
+    """Column-parallel: keep output features start..stop of ``lin`` (and its bias)."""
+    lin.weight = nn.Parameter(lin.weight.data[start:stop].clone(), requires_grad=False)
+    if lin.bias is not None:
+        lin.bias = nn.Parameter(lin.bias.data[start:stop].clone(), requires_grad=False)
+    lin.out_features = stop - start
+
+
+def _row_parallel(lin: nn.Linear, start: int, stop: int, group, clock: CommClock) -> RowParallelLinear:
+    w = lin.weight.data[:, start:stop].clone()
+    b = None if lin.bias is None else lin.bias.data.clone()
+    return RowParallelLinear(w, b, group, clock)
+
+
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    """Raise ValueError unless ``tp`` divides n_heads, n_kv_heads and ffn_hidden_size (valid tp listed)."""
+    check_divides("tp", tp, "n_kv_heads", spec.n_kv_heads, hint=f"model {spec.name!r}")
+    check_divides("tp", tp, "n_heads", spec.n_heads, hint=f"model {spec.name!r}")
+    check_divides("tp", tp, "ffn_hidden_size", spec.ffn_hidden_size, hint=f"model {spec.name!r}")
+
+
+def shard_tp(model: Transformer, group, clock: CommClock | None = None) -> Transformer:
+    """Split ``model`` (the full weights, identical on every rank) in place over the ranks of ``group``:
+    wq/wk/wv and the MLP's input projections keep this rank's heads / hidden units (column-parallel), wo and
+    the MLP's output projection become :class:`RowParallelLinear`. Attention infers its local head counts
+    from the projection widths, so ``model(tokens)`` still works and returns the full logits on every rank.
+
+    Raises ValueError when the TP size does not divide the heads, kv heads or ffn_hidden_size.
+    """
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    spec = model.spec
+    check_tp(spec, tp)
+    clock = clock or CommClock()
+    d = spec.head_dim
+    hq, hk, f = spec.n_heads // tp, spec.n_kv_heads // tp, spec.ffn_hidden_size // tp
+    for layer in model.layers:
+        a = layer.attn
+        _keep_rows(a.wq, r * hq * d, (r + 1) * hq * d)
+        _keep_rows(a.wk, r * hk * d, (r + 1) * hk * d)
+        _keep_rows(a.wv, r * hk * d, (r + 1) * hk * d)
+        a.wo = _row_parallel(a.wo, r * hq * d, (r + 1) * hq * d, group, clock)
+        m = layer.mlp
+        if hasattr(m, "w_gate"):
+            _keep_rows(m.w_gate, r * f, (r + 1) * f)
+            _keep_rows(m.w_up, r * f, (r + 1) * f)
+            m.w_down = _row_parallel(m.w_down, r * f, (r + 1) * f, group, clock)
+        else:
+            _keep_rows(m.fc_in, r * f, (r + 1) * f)
+            m.fc_out = _row_parallel(m.fc_out, r * f, (r + 1) * f, group, clock)
+    model.tp = tp
+    return model
+
+
+# ------------------------------------------------------------------------------------------------------
+# prefill and decode with a KV cache
+# ------------------------------------------------------------------------------------------------------
+def _qkv(attn, x: torch.Tensor, pos: torch.Tensor):
+    """q [B, hq, T, d], k/v [B, hk, T, d] of ``attn`` for x [B, T, H] at positions ``pos`` ([T], or [B, 1]
+    for one token per sequence at different positions)."""
+    b, t, _ = x.shape
+    d = attn.head_dim
+    q = attn.wq(x).view(b, t, -1, d).transpose(1, 2)
+    k = attn.wk(x).view(b, t, -1, d).transpose(1, 2)
+    v = attn.wv(x).view(b, t, -1, d).transpose(1, 2)
+    if attn.use_rope:
+        cos, sin = attn.rope_cos[pos], attn.rope_sin[pos]
+        if pos.dim() == 2:  # [B, 1, d/2] -> [B, 1, 1, d/2]: broadcast over heads
+            cos, sin = cos[:, None], sin[:, None]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k, v
+
+
+def _repeat_kv(k: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return k.repeat_interleave(n_rep, dim=-3) if n_rep > 1 else k
+
+
+def kv_cache_shape(model: Transformer, capacity: int) -> tuple[int, ...]:
+    """Shape of one request's cache on this rank: [n_layers, 2, local kv heads, capacity, head_dim]."""
+    a = model.layers[0].attn
+    return (len(model.layers), 2, a.wk.out_features // a.head_dim, capacity, a.head_dim)
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, tokens: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Run the whole prompt ``tokens`` (int64 [T]) through ``model``, writing keys and values of positions
+    0..T-1 into ``cache`` ([n_layers, 2, kv heads, capacity >= T, d]). Returns the logits of the last
+    position, [vocab_size]."""
+    t = tokens.shape[0]
+    pos = torch.arange(t, device=tokens.device)
+    x = model.embed_tokens(tokens[None], pos)
+    for i, layer in enumerate(model.layers):
+        a = layer.attn
+        h = layer.attn_norm(x)
+        q, k, v = _qkv(a, h, pos)
+        cache[i, 0, :, :t] = k[0]
+        cache[i, 1, :, :t] = v[0]
+        n_rep = q.shape[1] // k.shape[1]
+        o = a.core(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), causal=True)
+        x = x + a.wo(o.transpose(1, 2).reshape(1, t, -1))
+        x = x + layer.mlp(layer.mlp_norm(x))
+    return model.head(x[:, -1:])[0, 0]
+
+
+@torch.inference_mode()
+def decode(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor]):
+    """One decode step for B sequences: ``tokens`` int64 [B] (each sequence's latest token), ``positions``
+    int64 [B] (where that token sits), ``caches`` their B caches (positions 0..p-1 filled; position p is
+    written here). Returns logits [B, vocab_size]. The linear layers run batched; attention runs per
+    sequence over its own cache length (no padding)."""
+    b = tokens.shape[0]
+    x = model.embed(tokens)[:, None]
+    if model.pos_embed is not None:
+        x = x + model.pos_embed(positions)[:, None]
+    pos2 = positions[:, None]
+    for i, layer in enumerate(model.layers):
+        a = layer.attn
+        h = layer.attn_norm(x)
+        q, k, v = _qkv(a, h, pos2)
+        n_rep = q.shape[1] // k.shape[1]
+        outs = []
+        for j in range(b):
+            p = int(positions[j])
+            c = caches[j]
+            c[i, 0, :, p] = k[j, :, 0]
+            c[i, 1, :, p] = v[j, :, 0]
+            kk = _repeat_kv(c[i, 0, :, : p + 1], n_rep)[None]
+            vv = _repeat_kv(c[i, 1, :, : p + 1], n_rep)[None]
+            outs.append(a.core(q[j : j + 1], kk, vv, causal=False))  # one query sees every cached key
+        o = torch.cat(outs)
+        x = x + a.wo(o.transpose(1, 2).reshape(b, 1, -1))
+        x = x + layer.mlp(layer.mlp_norm(x))
+    return model.head(x)[:, 0]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the engine
+# ------------------------------------------------------------------------------------------------------
+@dataclass
+class _Live:
+    req: dict
+    attempt: int
+    tokens: list = field(default_factory=list)
+    cache: torch.Tensor | None = None
+    arrival_ns: int = 0
+    admitted_ns: int = 0
+    first_ns: int = 0
+    prefill_ns: int = 0
+
+
+class Engine:
+    """One serving instance: a model (whole, or this rank's TP shard) and a decode loop over requests.
+
+    ``timeline``: where prefill / decode / cancel events go (``ctx.timeline``); ``clock``: the all-reduce
+    clock of a TP model (:func:`shard_tp`), None for a whole model; ``seed``: prompt seed
+    (:func:`prompt_tokens`).
+    """
+
+    def __init__(self, model: Transformer, *, timeline=None, clock: CommClock | None = None, seed: int = 0):
+        self.model = model.eval()
+        self.spec = model.spec
+        self.timeline = timeline
+        self.clock = clock or CommClock()
+        self.seed = seed
+        self.tp = getattr(model, "tp", 1)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._caches: list[weakref.ref] = []
+        self.kv_trace: list[dict] = []
+        self.last_records: list[dict] = []
+        self.last_queue: list[dict] = []
+
+    # -- KV memory ---------------------------------------------------------------------------------------
+    def _alloc(self, capacity: int) -> torch.Tensor:
+        t = torch.zeros(kv_cache_shape(self.model, capacity), dtype=self.dtype, device=self.device)
+        self._caches.append(weakref.ref(t))
+        return t
+
+    def live_kv_bytes(self) -> int:
+        """Measured: bytes of every KV cache tensor this engine allocated that is still alive."""
+        alive = [(w, w()) for w in self._caches]
+        self._caches = [w for w, t in alive if t is not None]
+        return sum(t.untyped_storage().nbytes() for _, t in alive if t is not None)
+
+    def predicted_kv_bytes(self, live: list[_Live]) -> int:
+        """Predicted: :func:`labkit.memory.kv_cache_bytes` of the tokens reserved by the live requests."""
+        tokens = sum(x.req["prompt_len"] + x.req["max_new_tokens"] for x in live)
+        return mem.kv_cache_bytes(self.spec, tokens, _KV_DTYPE_NAMES[self.dtype], tp=self.tp)
+
+    def _trace(self, t0: int, live: list[_Live], event: str = "") -> None:
+        self.kv_trace.append({"t_s": (now_ns() - t0) / 1e9, "in_flight": len(live),
+                              "kv_bytes_measured": self.live_kv_bytes(),
+                              "kv_bytes_predicted": self.predicted_kv_bytes(live), "event": event})
+
+    def _span(self, name, kind="compute", **tags):
+        import contextlib
+
+        return self.timeline.span(name, kind, **tags) if self.timeline is not None else contextlib.nullcontext()
+
+    # -- serving -----------------------------------------------------------------------------------------
+    def serve(self, requests: list[dict], concurrency: int, *, cancel_step: int | None = None,
+              lose_at_step: int | None = None, attempt: int | dict = 1, arrival_ns: dict | None = None,
+              t0_ns: int | None = None) -> dict:
+        """Serve ``requests`` (dicts from :func:`make_workload`) with at most ``concurrency`` in flight.
+
+        ``cancel_step``: at that decode step, cancel every other in-flight request (half, rounded up), free
+        their caches and record the KV bytes measured before and after. ``lose_at_step``: raise
+        :class:`RankLost` at that decode step (this rank is the one lost). A communication error in a step
+        (a TP peer gone: gloo times out) fails every in-flight request with ``comm_timeout``; the requests
+        never admitted are returned in ``unserved``. ``arrival_ns``: rid -> arrival time for retried requests
+        (default: the start of this call); ``attempt``: the attempt number of every request, or rid -> attempt;
+``t0_ns``: the clock origin of ``kv_trace``.
+
+        Returns ``{"records": [...], "unserved": [...], "cancel": {...} or None, "failed": bool,
+        "prefill_s", "decode_s", "comm_s", "steps"}`` (times measured on this rank).
+        """
+        concurrency = positive_int("concurrency", concurrency)
+        _check_workload(self.spec, requests)
+        start = now_ns()
+        t0 = start if t0_ns is None else t0_ns
+        queue = list(requests)
+        live: list[_Live] = []
+        records: list[dict] = []
+        cancel_info = None
+        step = 0
+        prefill_ns = decode_ns = 0
+        comm0 = self.clock.ns
+        arrivals = arrival_ns or {}
+        failed = False
+        self.last_records, self.last_queue = records, queue  # readable after RankLost
+
+        def finish(x: _Live, status: str, end: int):
+            dec_s = (end - x.first_ns) / 1e9 if x.first_ns else 0.0
+            n = len(x.tokens)
+            arr = x.arrival_ns
+            records.append({
+                "rid": x.req["rid"], "kind": x.req["kind"], "prompt_len": x.req["prompt_len"],
+                "max_new_tokens": x.req["max_new_tokens"], "new_tokens": n, "status": status,
+                "attempt": x.attempt, "ttft_s": (x.first_ns - arr) / 1e9 if x.first_ns else float("nan"),
+                "queue_s": (x.admitted_ns - arr) / 1e9 if x.admitted_ns else float("nan"),
+                "prefill_s": x.prefill_ns / 1e9, "e2e_s": (end - arr) / 1e9,
+                "tps": (n - 1) / dec_s if n > 1 and dec_s > 0 else float("nan"),
+                "tokens": list(x.tokens)})
+            x.cache = None
+
+        try:
+            while queue or live:
+                while queue and len(live) < concurrency:
+                    req = queue.pop(0)
+                    x = _Live(req, attempt.get(req["rid"], 1) if isinstance(attempt, dict) else attempt,
+                              arrival_ns=arrivals.get(req["rid"], start), admitted_ns=now_ns())
+                    x.cache = self._alloc(req["prompt_len"] + req["max_new_tokens"])
+                    live.append(x)
+                    toks = prompt_tokens(req["rid"], req["prompt_len"], self.spec.vocab_size, self.seed)
+                    t1 = now_ns()
+                    with self._span("prefill", microbatch=req["rid"]):
+                        logits = prefill(self.model, toks.to(self.device), x.cache)
+                    x.tokens.append(int(logits.argmax()))
+                    x.first_ns = now_ns()
+                    x.prefill_ns = x.first_ns - t1
+                    prefill_ns += x.prefill_ns
+                    self._trace(t0, live, "admit")
+                    if req["max_new_tokens"] == 1:
+                        live.remove(x)
+                        finish(x, "ok", x.first_ns)
+                if not live:
+                    continue
+                step += 1
+                if lose_at_step is not None and step == lose_at_step:
+                    raise RankLost(f"rank lost at decode step {step} (failure injection)")
+                if cancel_step is not None and step == cancel_step:
+                    before = self.live_kv_bytes()
+                    pred_before = self.predicted_kv_bytes(live)
+                    victims = live[::2]
+                    with self._span("cancel", "other", step=step):
+                        for x in victims:
+                            live.remove(x)
+                            finish(x, "cancelled", now_ns())
+                        gc.collect()
+                    after = self.live_kv_bytes()
+                    cancel_info = {"step": step, "cancelled": len(victims), "in_flight_before": len(victims) + len(live),
+                                   "kv_bytes_before_measured": before, "kv_bytes_after_measured": after,
+                                   "kv_bytes_freed_measured": before - after,
+                                   "kv_bytes_before_predicted": pred_before,
+                                   "kv_bytes_freed_predicted": pred_before - self.predicted_kv_bytes(live)}
+                    self._trace(t0, live, "cancel")
+                    if not live:
+                        continue
+                toks = torch.tensor([x.tokens[-1] for x in live], device=self.device)
+                pos = torch.tensor([x.req["prompt_len"] + len(x.tokens) - 1 for x in live], device=self.device)
+                t1 = now_ns()
+                with self._span("decode", step=step):
+                    logits = decode(self.model, toks, pos, [x.cache for x in live])
+                decode_ns += now_ns() - t1
+                nxt = logits.argmax(-1).tolist()
+                end = now_ns()
+                for x, tok in zip(list(live), nxt):
+                    x.tokens.append(int(tok))
+                    if len(x.tokens) >= x.req["max_new_tokens"]:
+                        live.remove(x)
+                        finish(x, "ok", end)
+                self._trace(t0, live, "step")
+        except RankLost:
+            end = now_ns()
+            for x in live:
+                finish(x, "rank_lost", end)
+            live.clear()
+            gc.collect()
+            raise
+        except RuntimeError as e:  # a collective failed: a TP peer is gone (gloo: timed out)
+            if not _is_comm_failure(e):
+                raise
+            failed = True
+            end = now_ns()
+            for x in live:
+                finish(x, "comm_timeout", end)
+            live.clear()
+            gc.collect()
+            self._trace(t0, live, "failure")
+        return {"records": records, "unserved": queue, "cancel": cancel_info, "failed": failed,
+                "prefill_s": prefill_ns / 1e9, "decode_s": decode_ns / 1e9,
+                "comm_s": (self.clock.ns - comm0) / 1e9, "comm_calls": self.clock.calls, "steps": step,
+                "wall_s": (now_ns() - start) / 1e9}
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    text = str(e)
+    return any(m in text for m in ("Timed out", "timed out", "Connection closed", "Connection reset",
+                                   "Broken pipe", "recvBytes", "sendBytes"))
+
+
+# ------------------------------------------------------------------------------------------------------
+# the rank function: every serving experiment of a chapter in one launch
+# ------------------------------------------------------------------------------------------------------
+def _model(plan: dict) -> Transformer:
+    return build_model(plan["model"], seed=plan.get("seed", 0), dtype=_TORCH_DTYPES[plan.get("dtype", "float32")],
+                       attention=plan.get("attention", "sdpa"))
+
+
+def _tp_engine(ctx, plan: dict, full: Transformer, group) -> Engine:
+    clock = CommClock()
+    model = shard_tp(copy.deepcopy(full), group, clock)
+    return Engine(model, timeline=ctx.timeline, clock=clock, seed=plan.get("seed", 0))
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _parity(ctx, plan: dict, full: Transformer, group) -> dict:
+    """Max |difference| of (a) cached prefill + decode vs the full forward pass of the whole model, and
+    (b) the TP model's full forward pass vs the whole model's, on one sequence."""
+    spec = full.spec
+    t = min(24, spec.max_seq_len - 4)
+    seq = prompt_tokens(10_000, t + 4, spec.vocab_size, plan.get("seed", 0)).to(ctx.device)
+    with torch.inference_mode():
+        ref = full(seq[None])[0]  # [T+4, V]
+    eng = Engine(full, seed=plan.get("seed", 0))
+    cache = eng._alloc(t + 4)
+    got = [prefill(full, seq[:t], cache)]
+    for p in range(t, t + 3):
+        got.append(decode(full, seq[p : p + 1], torch.tensor([p], device=ctx.device), [cache])[0])
+    cached_diff = float((torch.stack(got) - ref[t - 1 : t + 3]).abs().max())
+    out = {"cached_vs_full_max_abs": cached_diff, "tp": 1, "tp_vs_whole_max_abs": 0.0}
+    if ctx.world_size > 1:
+        tp_model = shard_tp(copy.deepcopy(full), group)
+        with torch.inference_mode():
+            tp_logits = tp_model(seq[None])[0]
+        tcache = torch.zeros(kv_cache_shape(tp_model, t + 4), dtype=cache.dtype, device=ctx.device)
+        tp_pre = prefill(tp_model, seq[:t], tcache)
+        out.update({"tp": ctx.world_size, "tp_vs_whole_max_abs": float((tp_logits - ref).abs().max()),
+                    "tp_cached_vs_whole_max_abs": float((tp_pre - ref[t - 1]).abs().max()),
+                    "tp_kv_bytes_per_rank": tcache.untyped_storage().nbytes(),
+                    "whole_kv_bytes": cache.untyped_storage().nbytes()})
+    return out
+
+
+def _serve_mode(ctx, plan, full, mode, requests, concurrency, group, **kw) -> dict:
+    """One run of ``mode`` at total ``concurrency``: replicas split requests round-robin and concurrency
+    evenly; TP serves all of them with the whole concurrency on every rank (rank 0 reports)."""
+    w = ctx.world_size
+    if mode == "replicas":
+        eng = Engine(full, timeline=ctx.timeline, seed=plan.get("seed", 0))
+        mine = requests[ctx.rank :: w]
+        ctx.barrier()
+        out = eng.serve(mine, concurrency // w, **kw)
+    else:
+        eng = _tp_engine(ctx, plan, full, group)
+        ctx.barrier()
+        out = eng.serve(requests, concurrency, **kw)
+    out["kv_trace"] = eng.kv_trace
+    out["rank"] = ctx.rank
+    return out
+
+
+def _rank_loss(ctx, plan, full, requests, spec_loss: dict) -> dict:
+    """Lose rank ``world_size - 1`` at decode step ``step``: replicas (others keep serving, the lost
+    replica's requests are retried on them) and TP (every in-flight request fails on a timeout; retried once
+    the TP group is rebuilt with a replacement rank)."""
+    w, lost = ctx.world_size, ctx.world_size - 1
+    conc, step = spec_loss["concurrency"], spec_loss["step"]
+    timeout = datetime.timedelta(seconds=spec_loss.get("detect_timeout_s", 1.0))
+    seed = plan.get("seed", 0)
+    result = {}
+    # -- replicas --------------------------------------------------------------------------------------
+    eng = Engine(full, timeline=ctx.timeline, seed=seed)
+    mine = requests[ctx.rank :: w]
+    ctx.barrier()
+    t0 = now_ns()
+    recs, unserved = [], []
+    try:
+        with ctx.timer("replicas: serving", "other"):
+            out = eng.serve(mine, conc // w, lose_at_step=step if ctx.rank == lost else None, t0_ns=t0)
+        recs, unserved = out["records"], out["unserved"]
+    except RankLost:
+        recs = eng.last_records
+        lost_ids = {x["rid"] for x in recs if x["status"] == "rank_lost"}
+        unserved = [r for r in mine if r["rid"] in lost_ids] + list(eng.last_queue)
+    # the router learns which replica is down and re-routes its unfinished requests to the survivors
+    gathered = _gather({"records": recs, "retry": unserved if ctx.rank == lost else []})
+    retry = [r for g in gathered for r in g["retry"]]
+    failed_ids = {x["rid"] for g in gathered for x in g["records"] if x["status"] != "ok"}
+    retry_recs = []
+    if ctx.rank != lost and retry:
+        survivors = [r for r in range(w) if r != lost]
+        share = retry[survivors.index(ctx.rank) :: len(survivors)]
+        out2 = eng.serve(share, max(1, conc // w), attempt={rid: 2 for rid in failed_ids},
+                         arrival_ns={r["rid"]: t0 for r in share}, t0_ns=t0)
+        retry_recs = out2["records"]
+    gathered2 = _gather(retry_recs)
+    all_recs = [dict(r, replica=i) for i, g in enumerate(gathered) for r in g["records"]]
+    all_recs += [dict(r, replica=i) for i, g in enumerate(gathered2) for r in g]
+    result["replicas"] = all_recs
+    # -- tensor parallel ---------------------------------------------------------------------------------
+    group = dist.new_group(list(range(w)), timeout=timeout, backend=dist.get_backend())
+    eng = _tp_engine(ctx, plan, full, group)
+    ctx.barrier()
+    t0 = now_ns()
+    recs = []
+    if ctx.rank == lost:
+        try:
+            eng.serve(requests, conc, lose_at_step=step, t0_ns=t0)
+        except RankLost:
+            pass
+        recs = eng.last_records
+        retry = None
+    else:
+        with ctx.timer("tp: serving until the failure", "other"):
+            out = eng.serve(requests, conc, t0_ns=t0)
+        recs = out["records"]
+        done = {r["rid"] for r in recs if r["status"] == "ok"}
+        retry = {"requests": [r for r in requests if r["rid"] not in done],
+                 "failed": [r["rid"] for r in recs if r["status"] != "ok"]}
+    # a replacement for the lost rank joins; every rank rebuilds the TP group and reloads its shard
+    with ctx.timer("tp: rebuild group", "other"):
+        t_rebuild = now_ns()
+        group2 = dist.new_group(list(range(w)), backend=dist.get_backend())
+        eng2 = _tp_engine(ctx, plan, full, group2)
+        retry = _gather(retry)[0]  # rank 0 (a survivor) knows what failed
+        rebuild_s = (now_ns() - t_rebuild) / 1e9
+    out2 = eng2.serve(retry["requests"], conc, attempt={rid: 2 for rid in retry["failed"]},
+                      arrival_ns={r["rid"]: t0 for r in retry["requests"]}, t0_ns=t0)
+    result["tp"] = [dict(r, replica=0) for r in (recs if ctx.rank == 0 else [])] + \
+                   ([dict(r, replica=0) for r in out2["records"]] if ctx.rank == 0 else [])
+    result["tp_rebuild_s"] = rebuild_s
+    result["detect_timeout_s"] = timeout.total_seconds()
+    result["lost_rank"] = lost
+    result["step"] = step
+    return result
+
+
+def serve_rank(ctx, plan: dict) -> dict:
+    """Every serving experiment of a plan, in one launch (a rank function for :func:`labkit.launch`).
+
+    ``plan`` keys: ``model`` (preset name), ``seed``, ``dtype`` ("float32"/"bfloat16"), ``attention``,
+    ``workload`` (kwargs of :func:`make_workload`), ``modes`` (subset of :data:`MODES`), ``ramp`` (total
+    concurrency levels, each a multiple of world_size), ``warmup`` (bool), ``parity`` (bool), ``cancel``
+    (``{"concurrency", "step"}`` or None), ``rank_loss`` (``{"concurrency", "step", "detect_timeout_s"}`` or
+    None; needs world_size >= 2). Returns a dict of plain data; rank 0's is the one to read.
+    """
+    torch.manual_seed(plan.get("seed", 0))
+    full = _model(plan).to(ctx.device)
+    requests = make_workload(**plan.get("workload", {}))
+    group = dist.group.WORLD
+    out: dict = {"rank": ctx.rank, "world_size": ctx.world_size, "runs": []}
+    if plan.get("parity", True):
+        out["parity"] = _parity(ctx, plan, full, group)
+    if plan.get("warmup", True):
+        warm = make_workload(ctx.world_size, short_prompt=8, long_prompt=8, output_len=3)
+        for mode in plan.get("modes", MODES):
+            if mode == "tp" and ctx.world_size == 1:
+                continue
+            _serve_mode(ctx, plan, full, mode, warm, ctx.world_size, group)
+    for conc in plan.get("ramp", [ctx.world_size]):
+        for mode in plan.get("modes", MODES):
+            run = _serve_mode(ctx, plan, full, mode, requests, conc, group)
+            gathered = _gather({k: run[k] for k in ("records", "prefill_s", "decode_s", "comm_s", "wall_s",
+                                                      "steps", "kv_trace", "rank")})
+            if ctx.rank == 0:
+                out["runs"].append({"mode": mode, "concurrency": conc, "per_rank": gathered})
+    if plan.get("cancel"):
+        c = plan["cancel"]
+        eng = Engine(full, timeline=ctx.timeline, seed=plan.get("seed", 0))
+        ctx.barrier()
+        res = eng.serve(requests[ctx.rank :: ctx.world_size], c["concurrency"], cancel_step=c["step"])
+        res["kv_bytes_at_end_measured"] = eng.live_kv_bytes()
+        res["kv_trace"] = eng.kv_trace
+        out["cancel"] = _gather({k: res[k] for k in ("records", "cancel", "kv_trace", "kv_bytes_at_end_measured")})
+    if plan.get("rank_loss") and ctx.world_size > 1:
+        out["rank_loss"] = _rank_loss(ctx, plan, full, requests, plan["rank_loss"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# notebook side: one launch, then tables
+# ------------------------------------------------------------------------------------------------------
+def default_model(world_size: int) -> str:
+    """The lab model a serving chapter uses: ``lab-tiny-llama`` (2 kv heads) up to world_size 2,
+    ``lab-small-llama`` (4 kv heads, so TP=4 splits them) above."""
+    return "lab-tiny-llama" if world_size <= 2 else "lab-small-llama"
+
+
+def make_plan(world_size: int, *, model: str | None = None, n_requests: int = 16, short_prompt: int = 16,
+              long_prompt: int = 96, long_every: int = 4, output_len: int = 16, ramp=None,
+              modes=MODES, cancel_step: int | None = 4, lose_at_step: int | None = 3,
+              detect_timeout_s: float = 1.0, dtype: str = "float32", attention: str = "sdpa", seed: int = 0,
+              parity: bool = True, warmup: bool = True) -> dict:
+    """Validate the arguments of :func:`run` and build the plan :func:`serve_rank` executes.
+
+    ``ramp``: total concurrency levels (default world_size x 1, 2, 4), each a multiple of world_size (the
+    replicas share it evenly). ``cancel_step`` / ``lose_at_step``: decode step of the cancel storm / of the
+    rank loss (None: skip it); both run at the largest concurrency of the ramp.
+
+    Raises ValueError naming the bad value: unknown model, mode or dtype; tp (= world_size) not dividing the
+    model's heads; a concurrency that is not a multiple of world_size; a request longer than max_seq_len.
+    """
+    world_size = positive_int("world_size", world_size)
+    model = model or default_model(world_size)
+    spec = get_spec(model)
+    modes = list(modes)
+    for m in modes:
+        check_choice("mode", m, MODES)
+    check_choice("dtype", dtype, tuple(_TORCH_DTYPES))
+    if "tp" in modes and world_size > 1:
+        check_tp(spec, world_size)
+    ramp = list(ramp) if ramp is not None else [world_size, 2 * world_size, 4 * world_size]
+    for c in ramp:
+        check_divides("world_size", world_size, "concurrency", positive_int("concurrency", c),
+                      hint="each replica takes concurrency / world_size requests at a time")
+    workload = {"n_requests": n_requests, "short_prompt": short_prompt, "long_prompt": long_prompt,
+                "long_every": long_every, "output_len": output_len}
+    _check_workload(spec, make_workload(**workload))
+    top = max(ramp)
+    plan = {"model": model, "seed": seed, "dtype": dtype, "attention": attention, "workload": workload,
+            "modes": modes, "ramp": ramp, "parity": parity, "warmup": warmup}
+    if cancel_step is not None:
+        plan["cancel"] = {"concurrency": top // world_size, "step": positive_int("cancel_step", cancel_step)}
+    if lose_at_step is not None and world_size > 1:
+        plan["rank_loss"] = {"concurrency": top, "step": positive_int("lose_at_step", lose_at_step),
+                             "detect_timeout_s": positive_float("detect_timeout_s", detect_timeout_s)}
+    return plan
+
+
+def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0, **kwargs) -> dict:
+    """Launch every serving experiment once on ``world_size`` ranks and return tables (all *measured*):
+
+    * ``records`` — one row per request of the ramp runs (mode, concurrency, rid, kind, status, ttft_s,
+      tps, e2e_s, prefill_s, ...);
+    * ``summary`` — :func:`summarize` of the records;
+    * ``parity`` — max |logit difference| of cached decode vs the full forward, and TP vs the whole model;
+    * ``kv`` — the cancel-storm KV trace (bytes measured and predicted after every step, per replica);
+    * ``cancel`` — per replica: requests cancelled, KV bytes freed measured vs predicted, bytes at the end;
+    * ``failures`` — one row per request of the rank-loss runs (``experiment`` = replicas / tp);
+    * ``errors`` — :func:`error_table` of the cancel storm and the rank-loss runs;
+    * ``rank_loss`` — detection timeout, rebuild time, lost rank, step;
+    * ``timeline``, ``plan``, ``wall_s``.
+
+    ``kwargs`` are :func:`make_plan`'s. Raises what make_plan raises, and launch errors.
+    """
+    from labkit.launcher import launch
+
+    plan = make_plan(world_size, **kwargs)
+    res = launch(serve_rank, world_size, plan, backend=backend, timeout_s=timeout_s)
+    r0 = res[0]
+    rows = []
+    for run_ in r0["runs"]:
+        per_rank = run_["per_rank"] if run_["mode"] == "replicas" else run_["per_rank"][:1]
+        for g in per_rank:
+            for rec in g["records"]:
+                rows.append({"mode": run_["mode"], "concurrency": run_["concurrency"], "replica": g["rank"],
+                             **rec})
+    records = pd.DataFrame(rows)
+    out = {"plan": plan, "records": records, "summary": summarize(r0["runs"]), "parity": r0.get("parity"),
+           "timeline": res.timeline, "wall_s": res.wall_s, "backend": res.backend}
+    errs = []
+    if "cancel" in r0:
+        kv, canc = [], []
+        for i, g in enumerate(r0["cancel"]):
+            kv += [dict(t, replica=i) for t in g["kv_trace"]]
+            c = g["cancel"] or {}
+            canc.append({"replica": i, **c, "kv_bytes_at_end_measured": g["kv_bytes_at_end_measured"],
+                         "source": "measured (bytes of live cache tensors) / predicted (labkit.memory)"})
+            errs += [dict(r, experiment="cancel storm", replica=i) for r in g["records"]]
+        out["kv"] = pd.DataFrame(kv)
+        out["cancel"] = pd.DataFrame(canc)
+    if "rank_loss" in r0:
+        rl = r0["rank_loss"]
+        fail = [dict(r, experiment="rank loss: replicas") for r in rl["replicas"]]
+        fail += [dict(r, experiment="rank loss: tp") for r in rl["tp"]]
+        out["failures"] = pd.DataFrame(fail)
+        errs += fail
+        out["rank_loss"] = {k: rl[k] for k in ("tp_rebuild_s", "detect_timeout_s", "lost_rank", "step")}
+    out["errors"] = error_table(pd.DataFrame(errs)) if errs else pd.DataFrame()
+    return out
+
+
+def _q(s: pd.Series, q: float) -> float:
+    s = s.dropna()
+    return float(s.quantile(q)) if len(s) else float("nan")
+
+
+def summarize(runs: list[dict]) -> pd.DataFrame:
+    """One row per (mode, concurrency) run, all *measured*: requests, ``ttft_p50_s``/``ttft_p95_s`` (time
+    to first token, from arrival), the same for short and long prompts, ``tps_p50``/``tps_p95`` (decode
+    tokens per second of one request), ``throughput_tok_s`` (every generated token / the slowest instance's
+    wall time), ``prefill_s``/``decode_s`` (compute time summed over serving instances: every replica, or
+    rank 0 of the TP group), ``prefill_fraction``, ``allreduce_s`` (TP: time inside all-reduce on rank 0)."""
+    rows = []
+    for run_ in runs:
+        mode = run_["mode"]
+        per_rank = run_["per_rank"] if mode == "replicas" else run_["per_rank"][:1]
+        recs = pd.DataFrame([r for g in per_rank for r in g["records"]])
+        ok = recs[recs["status"] == "ok"]
+        wall = max(g["wall_s"] for g in run_["per_rank"])
+        pre = sum(g["prefill_s"] for g in per_rank)
+        dec = sum(g["decode_s"] for g in per_rank)
+        rows.append({
+            "mode": mode, "concurrency": run_["concurrency"], "requests": len(recs), "ok": len(ok),
+            "ttft_p50_s": _q(ok["ttft_s"], 0.5), "ttft_p95_s": _q(ok["ttft_s"], 0.95),
+            "ttft_p50_short_s": _q(ok.loc[ok["kind"] == "short", "ttft_s"], 0.5),
+            "ttft_p50_long_s": _q(ok.loc[ok["kind"] == "long", "ttft_s"], 0.5),
+            "tps_p50": _q(ok["tps"], 0.5), "tps_p95": _q(ok["tps"], 0.95),
+            "e2e_p50_s": _q(ok["e2e_s"], 0.5), "throughput_tok_s": ok["new_tokens"].sum() / wall,
+            "wall_s": wall, "prefill_s": pre, "decode_s": dec, "prefill_fraction": pre / (pre + dec),
+            "allreduce_s": sum(g["comm_s"] for g in per_rank), "source": "measured"})
+    return pd.DataFrame(rows)
+
+
+def error_table(records: pd.DataFrame) -> pd.DataFrame:
+    """Per experiment: requests (distinct rids), attempts, how many attempts ended ``ok`` or with each of
+    :data:`ERROR_TYPES`, ``error_rate`` (failed attempts / attempts), ``retried_ok`` (requests that
+    failed first and succeeded on a retry), ``failed_final`` (requests never served: cancelled ones count,
+    they were the client's choice). *Measured* counts."""
+    rows = []
+    for exp, g in records.groupby("experiment", sort=False):
+        counts = g["status"].value_counts()
+        last = g.sort_values("attempt").groupby("rid").tail(1)
+        first_bad = set(g.loc[(g["attempt"] == 1) & (g["status"] != "ok"), "rid"])
+        rows.append({"experiment": exp, "requests": g["rid"].nunique(), "attempts": len(g),
+                     "ok": int(counts.get("ok", 0)), **{t: int(counts.get(t, 0)) for t in ERROR_TYPES},
+                     "error_rate": float((g["status"] != "ok").mean()),
+                     "retried_ok": int(((last["status"] == "ok") & last["rid"].isin(first_bad)).sum()),
+                     "failed_final": int((last["status"] != "ok").sum()), "source": "measured"})
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------------------------------
+# predicted: replicas vs TP for a published model on real GPUs (no launch)
+# ------------------------------------------------------------------------------------------------------
+def predict_deployments(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8, gpu: str = "h100-80gb",
+                        tps=None, concurrency: int = 64, prompt_len: int = 1024, output_len: int = 256,
+                        weight_dtype: str = "bf16", mfu: float = 0.5, hbm_efficiency: float = 0.8,
+                        link: str | None = None) -> pd.DataFrame:
+    """*Predicted* serving of ``model`` on ``gpus`` GPUs of one node: for each TP degree, ``gpus / tp``
+    replicas share ``concurrency`` sequences evenly. One row per TP degree:
+
+    * memory per GPU — :func:`labkit.memory.infer_memory` (weights, KV cache for batch × (prompt + output),
+      workspace, headroom): ``peak_bytes_per_gpu``, ``fits``, ``max_batch_per_replica``
+      (:func:`labkit.memory.serving_rows`);
+    * decode step (one token for every sequence of a replica) — a roofline: the larger of reading this
+      GPU's weights and the batch's KV cache at mean context (prompt + output/2) from HBM
+      (``hbm_gbps × hbm_efficiency``), and the FLOPs ``batch × flops_per_token(ctx, inference) / tp`` at
+      ``peak × mfu``; plus 2 all-reduces per layer of ``batch × hidden × 2`` bytes over NVLink
+      (:func:`labkit.costmodel.collective_time`). Decode is memory-bound at small batch (Pope et al. 2022,
+      "Efficiently Scaling Transformer Inference", Sec. 2-3); the all-reduces are Megatron's (Shoeybi et al.
+      2019, Sec. 3). ``tpot_s`` = that step, ``tps_per_seq`` = 1 / tpot, ``throughput_tok_s`` = replicas ×
+      batch / tpot;
+    * ``ttft_s`` — prefill of one prompt alone on an idle replica (no queueing): the larger of its FLOPs
+      (``prompt × flops_per_token(prompt, inference) / tp`` at ``peak × mfu``) and one read of the weights,
+      plus 2 all-reduces per layer of ``prompt × hidden × 2`` bytes.
+
+    ``mfu`` and ``hbm_efficiency`` are assumptions (columns ``assumed_mfu``, ``assumed_hbm_efficiency``);
+    the GPU's peak, HBM bandwidth and NVLink come from data/hardware.yaml. ``tps`` defaults to every divisor
+    of ``gpus`` that divides the model's heads, kv heads and ffn_hidden_size.
+
+    Raises ValueError for an unknown model or GPU, a GPU without peak/bandwidth data, a TP degree that does
+    not divide ``gpus`` or the model, or ``concurrency`` not a multiple of the number of replicas.
+    """
+    from labkit import costmodel as cm
+    from labkit.checks import divisors
+    from labkit.models import flops_per_token
+
+    spec = get_spec(model) if isinstance(model, str) else model
+    gpus = positive_int("gpus", gpus)
+    concurrency = positive_int("concurrency", concurrency)
+    mfu = positive_float("mfu", mfu)
+    hbm_efficiency = positive_float("hbm_efficiency", hbm_efficiency)
+    dev = cm.get_device(gpu)
+    missing = [k for k in ("peak_bf16_tflops", "hbm_gbps", "nvlink") if k not in dev]
+    if missing:
+        have = [n for n, d in cm.devices().items() if all(k in d for k in ("peak_bf16_tflops", "hbm_gbps", "nvlink"))]
+        raise ValueError(f"gpu={gpu!r} has no {', '.join(missing)} in data/hardware.yaml; use one of: {', '.join(have)}")
+    link = link or dev["nvlink"]
+    peak = dev["peak_bf16_tflops"] * 1e12
+    hbm = dev["hbm_gbps"] * 1e9 * hbm_efficiency
+    if tps is None:
+        tps = []
+        for t in divisors(gpus):
+            try:
+                check_tp(spec, t)
+                tps.append(t)
+            except ValueError:
+                pass
+    act_bytes = 2  # bf16 activations on the wire
+    avg_ctx = prompt_len + output_len // 2
+    rows = []
+    for tp in tps:
+        check_divides("tp", tp, "gpus", gpus)
+        check_tp(spec, tp)
+        replicas = gpus // tp
+        check_divides("replicas", replicas, "concurrency", concurrency,
+                      hint=f"gpus/tp = {replicas} replicas share the sequences evenly")
+        batch = concurrency // replicas
+        wl = {"batch": batch, "prompt_len": prompt_len, "output_len": output_len, "weight_dtype": weight_dtype}
+        row = mem.serving_rows(spec, [wl], device=gpu, tp=tp)[0]
+        est = mem.infer_memory(spec, mem.ParallelConfig(tp=tp), mem.InferConfig(**wl), device=gpu)
+        weights = est.categories["parameters"]
+        kv_dtype = {32: "fp32", 16: "bf16", 8: "fp8"}[mem.InferConfig(**wl).kv_bits()]
+        kv_avg = mem.kv_cache_bytes(spec, batch * avg_ctx, kv_dtype, tp=tp)
+
+        def allreduce_s(nbytes, _tp=tp):
+            if _tp == 1:
+                return 0.0
+            return 2 * spec.n_layers * cm.collective_time("all_reduce", int(nbytes), _tp, link, None,
+                                                          gpus_per_node=gpus)
+
+        t_mem = (weights + kv_avg) / hbm
+        t_flop = batch * flops_per_token(spec, avg_ctx, training=False) / tp / (peak * mfu)
+        comm = allreduce_s(batch * spec.hidden_size * act_bytes)
+        tpot = max(t_mem, t_flop) + comm
+        pre_flop = prompt_len * flops_per_token(spec, prompt_len, training=False) / tp / (peak * mfu)
+        pre_comm = allreduce_s(prompt_len * spec.hidden_size * act_bytes)
+        ttft = max(pre_flop, weights / hbm) + pre_comm
+        rows.append({
+            "tp": tp, "replicas": replicas, "batch_per_replica": batch, "fits": est.fits,
+            "peak_bytes_per_gpu": est.total_bytes, "weights_bytes_per_gpu": weights,
+            "kv_bytes_per_gpu": est.categories["kv_cache"], "max_batch_per_replica": row["max_batch"],
+            "ttft_s": ttft, "tpot_s": tpot, "tps_per_seq": 1 / tpot,
+            "throughput_tok_s": replicas * batch / tpot, "decode_bound": "memory" if t_mem >= t_flop else "compute",
+            "decode_allreduce_s": comm, "prefill_allreduce_s": pre_comm,
+            "max_sequences_total": None if row["max_batch"] is None else replicas * row["max_batch"],
+            "gpu": gpu, "link": link, "assumed_mfu": mfu, "assumed_hbm_efficiency": hbm_efficiency,
+            "source": "predicted"})
+    return pd.DataFrame(rows)
