@@ -309,7 +309,8 @@ class ExpertParallelMoE(nn.Module):
 
     Returns the MoE contribution [N_local, H] (add the residual outside). After a call: ``last_routing``,
     ``aux_loss``, ``last_stats`` (local routing :meth:`Routing.stats` plus ``dispatch_bytes`` /
-    ``combine_bytes``: rows sent to OTHER ranks x H x element size, ``send_rows`` / ``recv_rows`` per rank).
+    ``combine_bytes``: rows sent to OTHER ranks x H x element size, ``send_counts`` per expert,
+    ``send_rows`` / ``recv_rows`` per rank).
     The router is replicated: call :meth:`sync_router_grads` after backward (sums its gradient over the group).
     Raises ValueError if ep does not divide n_experts.
     """
@@ -360,7 +361,8 @@ class ExpertParallelMoE(nn.Module):
         row_bytes = flat.shape[-1] * flat.element_size()
         me = self.ep_rank
         self.last_routing, self.aux_loss = routing, load_balancing_loss(routing)
-        self.last_stats = {**routing.stats(), "send_rows": send_rows, "recv_rows": recv_rows,
+        self.last_stats = {**routing.stats(), "send_counts": send_counts.tolist(), "send_rows": send_rows,
+                           "recv_rows": recv_rows,
                            "dispatch_bytes": sum(n for d, n in enumerate(send_rows) if d != me) * row_bytes,
                            "combine_bytes": sum(n for s, n in enumerate(recv_rows) if s != me) * row_bytes,
                            "dispatch_total_bytes": sum(send_rows) * row_bytes}
@@ -392,19 +394,25 @@ def global_stats(local: dict, group=None) -> dict:
 # ------------------------------------------------------------------------------------------------------
 # rank functions (launch(labkit.parallel.expert.<fn>, world_size, ...))
 # ------------------------------------------------------------------------------------------------------
-PLACEMENTS = ("even", "random", "one_rank")
+PLACEMENTS = ("even", "random", "skewed", "one_rank")
 
 
 def placement(n_tokens: int, world_size: int, kind: str = "even", seed: int = 0) -> torch.Tensor:
     """Which rank holds each of ``n_tokens`` tokens: int64 [n_tokens]. ``"even"``: contiguous equal blocks;
-    ``"random"``: each token to a random rank (uneven counts); ``"one_rank"``: every token on the last rank
-    (the others hold none). Deterministic in ``seed``."""
+    ``"random"``: each token to a random rank (uneven counts); ``"skewed"``: one token on rank 0, the rest at
+    random on the other ranks (rank 0 then sends nothing to most experts); ``"one_rank"``: every token on the
+    last rank (the others hold none). Deterministic in ``seed``."""
     check_choice("kind", kind, PLACEMENTS)
     if kind == "even":
         return torch.arange(n_tokens) * world_size // max(1, n_tokens)
     if kind == "one_rank":
         return torch.full((n_tokens,), world_size - 1, dtype=torch.int64)
-    return torch.randint(world_size, (n_tokens,), generator=torch.Generator().manual_seed(seed + 17))
+    g = torch.Generator().manual_seed(seed + 17)
+    if kind == "skewed" and world_size > 1:
+        owner = 1 + torch.randint(world_size - 1, (n_tokens,), generator=g)
+        owner[:1] = 0
+        return owner
+    return torch.randint(world_size, (n_tokens,), generator=g)
 
 
 def _full_moe(seed, hidden_size, ffn_hidden_size, n_experts, top_k, drop_policy) -> MoE:
