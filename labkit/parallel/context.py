@@ -288,15 +288,18 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             src = (r - step) % cp
             t0 = time.monotonic_ns()
+            # post the receives in the order the neighbour sends (its accumulator at the end of its previous
+            # step, then its next K/V block), so backends that match p2p by order (NCCL) agree with tag-matching
+            # ones (gloo)
+            acc_in, acc_work = None, []
+            if step > 0:  # the dK/dV accumulated for block `src` by the ranks that held it before us
+                acc_in = torch.empty_like(kv)
+                acc_work = [dist.irecv(acc_in, prv, group=group, tag=_TAG_BWD_DKV + step)]
             kv_works, nxt_kv = [], None
             if step < cp - 1:
                 nxt_kv = torch.empty_like(kv)
                 kv_works = [dist.isend(kv, nxt, group=group, tag=_TAG_BWD_KV),
                             dist.irecv(nxt_kv, prv, group=group, tag=_TAG_BWD_KV)]
-            acc_in, acc_work = None, []
-            if step > 0:  # the dK/dV accumulated for block `src` by the ranks that held it before us
-                acc_in = torch.empty_like(kv)
-                acc_work = [dist.irecv(acc_in, prv, group=group, tag=_TAG_BWD_DKV + step)]
             dkv = torch.zeros_like(kv)
             with _span(timeline, "attn bwd", "compute", stage=step):
                 _attend_backward(q, kv[0], kv[1], dout, lse, delta, my_ids, chunk_ids(src, cp, load_balance),
@@ -512,6 +515,49 @@ def predicted_blocks(cp: int, *, load_balance: bool = False, causal: bool = True
                 for s in range(cp)) * per_chunk for r in range(cp)]
 
 
+def ring_schedule(cp: int, *, load_balance: bool = False, causal: bool = True) -> list[dict]:
+    """The ring's plan as rows (pure Python): for each rank and ring step, the K/V block it holds (from rank
+    ``(rank − step) mod cp``) and, for each (query chunk, key chunk) pair, ``"full"`` (computed, no mask),
+    ``"diagonal"`` (computed with the triangular mask) or ``"skip"`` (entirely in the future)."""
+    rows = []
+    for r in range(cp):
+        for step in range(cp):
+            src = (r - step) % cp
+            done = {(i, j): masked for i, j, masked in chunk_pairs(chunk_ids(r, cp, load_balance),
+                                                                    chunk_ids(src, cp, load_balance), causal)}
+            for i, qc in enumerate(chunk_ids(r, cp, load_balance)):
+                for j, kc in enumerate(chunk_ids(src, cp, load_balance)):
+                    kind = "skip" if (i, j) not in done else ("diagonal" if done[(i, j)] else "full")
+                    rows.append({"rank": r, "step": step, "kv_from_rank": src, "q_chunk": qc, "k_chunk": kc,
+                                 "kind": kind})
+    return rows
+
+
+def predicted_table(cps, *, batch: int, n_heads: int, seq_len: int, head_dim: int, element_size: int = 4,
+                    methods=METHODS) -> list[dict]:
+    """Predictions for each method and cp in ``cps`` (pure Python): bytes sent per rank for one forward +
+    backward (:func:`predicted_comm_bytes`), bytes saved for backward (:func:`predicted_saved_bytes`), and the
+    busiest rank's attention work over the mean, causal, naive and load-balanced (:func:`predicted_blocks`).
+    Configurations that are not valid (e.g. Ulysses with cp > n_heads) are left out."""
+    shape = {"batch": batch, "n_heads": n_heads, "seq_len": seq_len, "head_dim": head_dim,
+             "element_size": element_size}
+    rows = []
+    for m in methods:
+        for cp in cps:
+            try:
+                check_context_parallel(seq_len, cp, load_balance=True, method=m, n_heads=n_heads)
+            except ValueError:
+                continue
+            b = predicted_comm_bytes(m, cp, **shape)
+            naive = predicted_blocks(cp, method=m)
+            lb = predicted_blocks(cp, method=m, load_balance=True)
+            rows.append({"method": m, "cp": cp, "sent_bytes": b["forward"] + b["backward"],
+                         "saved_bytes": predicted_saved_bytes(m, cp, **shape),
+                         "max_over_mean_naive": max(naive) / (sum(naive) / cp),
+                         "max_over_mean_balanced": max(lb) / (sum(lb) / cp)})
+    return rows
+
+
 def predicted_comm_bytes(method: str, cp: int, *, batch: int, n_heads: int, seq_len: int, head_dim: int,
                          element_size: int = 4) -> dict[str, int]:
     """Bytes one rank sends for one attention forward and backward (bytes, int), with S = B·h·(T/cp)·d·e
@@ -612,7 +658,7 @@ def cp_parity_rank(ctx, cases: list[dict] | None = None, *, batch: int = 2, n_he
 
     tol = TOLERANCES[torch.float32]
     cp, r = ctx.world_size, ctx.rank
-    q, k, v, dout = _qkv(seed, batch, n_heads, seq_len, head_dim)
+    q, k, v, dout = (t.to(ctx.device) for t in _qkv(seed, batch, n_heads, seq_len, head_dim))
     refs = {}
     for causal in (True, False):
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
@@ -642,12 +688,12 @@ def _model_parity(ctx, spec_name, method, load_balance, seed, tol) -> dict:
     spec = get_spec(spec_name)
     cp, r = ctx.world_size, ctx.rank
     seq_len = 4 * cp * 2
-    tokens, targets = SyntheticLM(spec.vocab_size, seq_len, seed).batch(0, 2)
-    ref_model = build_model(spec, seed)
+    tokens, targets = (t.to(ctx.device) for t in SyntheticLM(spec.vocab_size, seq_len, seed).batch(0, 2))
+    ref_model = build_model(spec, seed, device=ctx.device)
     ref_logits = ref_model(tokens)
     lm_loss(ref_logits, targets).backward()
-    model = apply_context_parallel(build_model(spec, seed), method, load_balance=load_balance)
-    pos = shard_positions(seq_len, cp, r, load_balance)
+    model = apply_context_parallel(build_model(spec, seed, device=ctx.device), method, load_balance=load_balance)
+    pos = shard_positions(seq_len, cp, r, load_balance).to(ctx.device)
     logits = model(tokens[:, pos], positions=pos)
     # the global mean loss = sum over every rank's tokens / all tokens
     loss_part = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, pos].reshape(-1),
@@ -705,7 +751,7 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
         if c not in groups:
             check_divides("cp", c, "world_size", ctx.world_size)
             groups[c] = dist.new_subgroups(group_size=c)[0]
-    full = _qkv(seed, batch, n_heads, seq_len, head_dim)
+    full = [t.to(ctx.device) for t in _qkv(seed, batch, n_heads, seq_len, head_dim)]
     rows = []
     for i, cfg in enumerate(configs):
         method, lb = cfg["method"], cfg["load_balance"]

@@ -381,7 +381,9 @@ def global_stats(local: dict, group=None) -> dict:
     dropped_tokens (all global sums) and dropped_fraction (dropped / assignments)."""
     keys = ("tokens_per_expert", "kept_per_expert", "overflow_per_expert")
     scalars = ("tokens", "assignments", "dropped", "dropped_tokens")
-    vec = torch.tensor([v for k in keys for v in local[k]] + [local[k] for k in scalars], dtype=torch.int64)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    vec = torch.tensor([v for k in keys for v in local[k]] + [local[k] for k in scalars], dtype=torch.int64,
+                       device=device)
     dist.all_reduce(vec, group=group)
     vals = vec.tolist()
     e = len(local["tokens_per_expert"])
@@ -445,14 +447,14 @@ def ep_parity_rank(ctx, *, n_tokens: int = 40, hidden_size: int = 16, ffn_hidden
     tol = TOLERANCES[torch.float32]
     n_experts = n_experts or 2 * ctx.world_size
     check_expert_parallel(n_experts, ep=ctx.world_size, top_k=top_k, drop_policy=drop_policy)
-    full = _full_moe(seed, hidden_size, ffn_hidden_size, n_experts, top_k, drop_policy)
+    full = _full_moe(seed, hidden_size, ffn_hidden_size, n_experts, top_k, drop_policy).to(ctx.device)
     ep_moe = ExpertParallelMoE(full)
     g = torch.Generator().manual_seed(seed + 1)
-    x_all = torch.randn(n_tokens, hidden_size, generator=g)
-    dy_all = torch.randn(n_tokens, hidden_size, generator=g)
+    x_all = torch.randn(n_tokens, hidden_size, generator=g).to(ctx.device)
+    dy_all = torch.randn(n_tokens, hidden_size, generator=g).to(ctx.device)
     rows = []
     for kind in placements:
-        owner = placement(n_tokens, ctx.world_size, kind, seed)
+        owner = placement(n_tokens, ctx.world_size, kind, seed).to(ctx.device)
         for cf in capacity_factors:
             full.zero_grad(set_to_none=True)
             ep_moe.zero_grad(set_to_none=True)
@@ -511,9 +513,10 @@ def ep_profile_rank(ctx, *, tokens_per_rank: int = 256, hidden_size: int = 64, f
     from labkit.commlog import CommLog
 
     check_expert_parallel(n_experts, ep=ctx.world_size, top_k=top_k, capacity_factor=capacity_factor)
-    full = _full_moe(seed, hidden_size, ffn_hidden_size, n_experts, top_k, "position")
+    full = _full_moe(seed, hidden_size, ffn_hidden_size, n_experts, top_k, "position").to(ctx.device)
     ep_moe = ExpertParallelMoE(full)
-    x = torch.randn(tokens_per_rank, hidden_size, generator=torch.Generator().manual_seed(seed + 100 + ctx.rank))
+    x = torch.randn(tokens_per_rank, hidden_size,
+                    generator=torch.Generator().manual_seed(seed + 100 + ctx.rank)).to(ctx.device)
     sweep = []
     with torch.no_grad():
         for cf in capacity_factors:
@@ -549,6 +552,22 @@ def ep_profile_rank(ctx, *, tokens_per_rank: int = 256, hidden_size: int = 64, f
         iter_ns.append(tl.now_ns() - t0)
         ctx.timeline.events[n0:] = [(*e[:5], i, *e[6:]) for e in ctx.timeline.events[n0:]]
     return {"rank": ctx.rank, "sweep": sweep, "stats": stats, "global": glob, "comm": comm, "iter_ns": iter_ns}
+
+
+def recount_dropped(rows, *, n_experts: int, top_k: int) -> int:
+    """Dropped assignments counted again from the routing decisions alone (plain Python): for each rank's row
+    of :func:`ep_parity_rank` (``expert`` = its tokens' top-k choices, ``n_local``, ``capacity_factor``),
+    per expert max(0, routed − ceil(capacity_factor · n_local · top_k / n_experts)), summed."""
+    import collections
+
+    total = 0
+    for row in rows:
+        if row["capacity_factor"] is None:
+            continue
+        cap = math.ceil(row["capacity_factor"] * row["n_local"] * top_k / n_experts)
+        counts = collections.Counter(e for choices in row["expert"] for e in choices)
+        total += sum(max(0, c - cap) for c in counts.values())
+    return total
 
 
 # ------------------------------------------------------------------------------------------------------
