@@ -130,6 +130,8 @@ def _check_profile(res, world_size):
     # memory and bytes: measured == predicted exactly (both are counts of the same tensors)
     assert (table["saved_bytes"] == table["predicted_saved_bytes"]).all(), table
     assert (table["sent_bytes"] == table["predicted_sent_bytes"]).all(), table
+    # work: the kernel computed exactly the predicted blocks on every rank (naive: r+1, zigzag: (2cp+1)/4)
+    assert (table["blocks"] == table["predicted_blocks"]).all(), table
     # ring and Ulysses keep 1/cp of the cp=1 activations
     by = table.groupby(["method", "cp"])["saved_bytes"].first()
     for m in ("ring", "ulysses"):

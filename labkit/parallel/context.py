@@ -146,6 +146,22 @@ def _block_scores(q, k, masked: bool, scale: float):
     return s
 
 
+_WORK_COUNTERS: list[dict] = []
+
+
+@contextlib.contextmanager
+def count_work():
+    """Count the attention score entries this process computes inside the block (forward kernel only):
+    yields a dict whose ``"score_entries"`` grows by B·heads·rows·cols for every chunk pair computed. A
+    deterministic measure of the work, beside the timed one."""
+    counter = {"score_entries": 0}
+    _WORK_COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _WORK_COUNTERS.remove(counter)
+
+
 def _attend(q, k, v, q_ids, k_ids, causal, out, lse, mask_policy="diagonal"):
     """Add the contribution of key/value chunks ``k_ids`` to the running (out, lse) of queries ``q_ids``.
     q [B,h,len(q_ids)*c,d], k/v [B,h,len(k_ids)*c,d]; out, lse updated in place. Returns pairs computed."""
@@ -167,6 +183,8 @@ def _attend(q, k, v, q_ids, k_ids, causal, out, lse, mask_policy="diagonal"):
         w_blk = torch.exp(blk_lse - l_new_safe)
         o.mul_(w_old[..., None]).add_(blk_out * w_blk[..., None])
         l_old.copy_(l_new)
+    for counter in _WORK_COUNTERS:
+        counter["score_entries"] += len(pairs) * q.shape[:-2].numel() * cq * ck
     return len(pairs)
 
 
@@ -735,6 +753,7 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
     consecutive ranks, all running at once).
 
     Per config and rank, measured: ``saved_bytes`` (autograd saved tensors of the attention, bytes),
+    ``score_entries`` (attention scores the forward kernel computed, :func:`count_work`),
     ``fwd_bytes`` / ``bwd_bytes`` (bytes this rank sends, from :class:`labkit.commlog.CommLog`),
     ``compute_ns`` (per repeat: the rank's attention compute events, wall ns), ``cpu_ns`` (per repeat: CPU
     time of the rank's thread, ``time.thread_time_ns``: the work done, unaffected by other processes
@@ -763,7 +782,7 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
 
         args = (q, k, v, dout, method, causal, lb, group)
         _profile_once(*args)  # warm-up
-        with CommLog() as log:
+        with CommLog() as log, count_work() as work:
             saved_bytes = _profile_once(*args, log=log)
         comm = log.to_frame()
         sent = comm.groupby("tag")["bytes_per_rank"].sum() if len(comm) else {}
@@ -782,7 +801,7 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
         w1 = tl.now_ns()
         ctx.barrier()
         rows.append({"config": i, "method": method, "load_balance": lb, "cp": c, "rank": ctx.rank, "cp_rank": gr,
-                     "causal": causal, "saved_bytes": saved_bytes,
+                     "causal": causal, "saved_bytes": saved_bytes, "score_entries": work["score_entries"],
                      "fwd_bytes": int(sent.get("forward", 0)), "bwd_bytes": int(sent.get("backward", 0)),
                      "compute_ns": compute_ns, "cpu_ns": cpu_ns, "iter_ns": iter_ns,
                      "window_ns": (w0 - ctx.clock_offset_ns, w1 - ctx.clock_offset_ns)})
@@ -795,9 +814,11 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
 def profile_table(result, *, batch: int, n_heads: int, seq_len: int, head_dim: int, element_size: int = 4):
     """One row per (config, rank) of a :func:`cp_profile_rank` launch, measured beside predicted:
 
-    ``compute_ms`` (wall, median over repeats, measured), ``cpu_ms`` (thread CPU time, median, measured),
-    ``compute_share`` (this rank's CPU time / its group's mean, measured; CPU time because wall time on a
-    shared machine includes waiting for a core) beside ``predicted_share`` (:func:`predicted_blocks` / mean),
+    ``blocks`` (score entries the kernel computed / (B·heads·(T/cp)²), counted) beside ``predicted_blocks``
+    (:func:`predicted_blocks`), ``compute_ms`` (wall, median over repeats, measured), ``cpu_ms`` (thread CPU
+    time, the minimum over repeats: the least disturbed by other processes, measured), ``compute_share``
+    (this rank's CPU time / its group's mean, measured; CPU time because wall time on a shared machine
+    includes waiting for a core) beside ``predicted_share`` (:func:`predicted_blocks` / mean),
     ``saved_bytes`` beside ``predicted_saved_bytes``, ``sent_bytes`` (forward + backward, measured) beside
     ``predicted_sent_bytes`` (:func:`predicted_comm_bytes`)."""
     import statistics
@@ -807,13 +828,15 @@ def profile_table(result, *, batch: int, n_heads: int, seq_len: int, head_dim: i
     rows = [row for rank_rows in result for row in rank_rows]
     df = pd.DataFrame(rows)
     df["compute_ms"] = df["compute_ns"].map(lambda xs: statistics.median(xs) / 1e6)
-    df["cpu_ms"] = df["cpu_ns"].map(lambda xs: statistics.median(xs) / 1e6)
+    df["cpu_ms"] = df["cpu_ns"].map(lambda xs: min(xs) / 1e6)
     df["iter_ms"] = df["iter_ns"].map(lambda xs: statistics.median(xs) / 1e6)
     df["group"] = df["rank"] // df["cp"]
     df["compute_share"] = df["cpu_ms"] / df.groupby(["config", "group"])["cpu_ms"].transform("mean")
-    pred_share, pred_saved, pred_sent = [], [], []
+    df["blocks"] = df["score_entries"] / (batch * n_heads * (seq_len // df["cp"]) ** 2)
+    pred_share, pred_blocks, pred_saved, pred_sent = [], [], [], []
     for row in df.itertuples():
         blocks = predicted_blocks(row.cp, load_balance=row.load_balance, causal=row.causal, method=row.method)
+        pred_blocks.append(blocks[row.cp_rank])
         pred_share.append(blocks[row.cp_rank] / (sum(blocks) / len(blocks)))
         shape = {"batch": batch, "n_heads": n_heads, "seq_len": seq_len, "head_dim": head_dim,
                  "element_size": element_size}
@@ -821,12 +844,13 @@ def profile_table(result, *, batch: int, n_heads: int, seq_len: int, head_dim: i
         pb = predicted_comm_bytes(row.method, row.cp, **shape)
         pred_sent.append(pb["forward"] + pb["backward"])
     df["predicted_share"] = pred_share
+    df["predicted_blocks"] = pred_blocks
     df["predicted_saved_bytes"] = pred_saved
     df["sent_bytes"] = df["fwd_bytes"] + df["bwd_bytes"]
     df["predicted_sent_bytes"] = pred_sent
-    cols = ["config", "method", "load_balance", "cp", "rank", "compute_ms", "cpu_ms", "compute_share",
-            "predicted_share", "iter_ms", "saved_bytes", "predicted_saved_bytes", "fwd_bytes", "bwd_bytes",
-            "sent_bytes", "predicted_sent_bytes"]
+    cols = ["config", "method", "load_balance", "cp", "rank", "blocks", "predicted_blocks", "compute_ms", "cpu_ms",
+            "compute_share", "predicted_share", "iter_ms", "saved_bytes", "predicted_saved_bytes", "fwd_bytes",
+            "bwd_bytes", "sent_bytes", "predicted_sent_bytes"]
     return df[cols]
 
 
