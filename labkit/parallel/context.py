@@ -328,8 +328,9 @@ class _RingAttention(torch.autograd.Function):
             # pass the accumulator on: after the last step it reaches the block's owner (rank src)
             sends.append(dist.isend(dkv, nxt, group=group, tag=_TAG_BWD_DKV + step + 1))
             _wait_all(kv_works)
-            if timeline is not None and (kv_works or acc_work):
-                timeline.add("kv+dkv p2p", "comm", t0, time.monotonic_ns(), stage=step, nbytes=2 * nbytes)
+            if timeline is not None:  # bytes this rank sends in this step: the next K/V block and the dK/dV
+                timeline.add("kv+dkv p2p", "comm", t0, time.monotonic_ns(), stage=step,
+                             nbytes=(nbytes if kv_works else 0) + nbytes)
             if nxt_kv is not None:
                 kv = nxt_kv
         t0 = time.monotonic_ns()
@@ -435,11 +436,17 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             (``stage`` = ring step for ring attention).
 
     Returns: [B, heads, seq_len/cp, head_dim]. Differentiable in q, k, v.
-    Raises ValueError: bad method, heads not divisible by cp for Ulysses.
+    Raises ValueError: bad method, mismatched shard shapes, an odd shard with load balancing, heads not
+    divisible by cp for Ulysses.
     """
     check_choice("method", method, METHODS)
     cp = dist.get_world_size(group)
     r = dist.get_rank(group)
+    per_rank = len(chunk_ids(r, cp, load_balance))
+    if q.shape[-2] % per_rank or k.shape[-2] != q.shape[-2] or v.shape != k.shape or q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected equal [B, heads, "
+                         f"seq_len/cp, head_dim] shards (repeat grouped K/V heads first) with seq_len/cp divisible "
+                         f"by {per_rank} (load_balance={load_balance})")
     if cp == 1:
         ids = chunk_ids(0, 1, load_balance)
         return _ChunkAttention.apply(q, k, v, ids, ids, causal, timeline)
