@@ -162,15 +162,3 @@ def test_context_parallel_cp4():
     table = cpx.profile_table([r["profile"] for r in res], **SHAPE)
     ring = table[table["method"] == "ring"].groupby("cp")["saved_bytes"].first()
     assert ring[1] == 2 * ring[2] == 4 * ring[4]
-
-
-@pytest.mark.slow
-def test_chapter_07_runs(tmp_path):
-    """The chapter executes headless with its defaults (papermill); its own checks assert parity and the
-    predictions."""
-    pm = pytest.importorskip("papermill")
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    pm.execute_notebook(str(root / "notebooks" / "07_context_parallel.ipynb"), str(tmp_path / "07.ipynb"),
-                        kernel_name="python3", cwd=str(root / "notebooks"), progress_bar=False)

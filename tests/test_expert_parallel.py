@@ -166,15 +166,3 @@ def _group(rows):
     for row in rows:
         out[(row["placement"], row["capacity_factor"])].append(row)
     return out
-
-
-@pytest.mark.slow
-def test_chapter_08_runs(tmp_path):
-    """The chapter executes headless with its defaults (papermill); its own checks assert parity, the
-    independent recount and the residual."""
-    pm = pytest.importorskip("papermill")
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    pm.execute_notebook(str(root / "notebooks" / "08_expert_parallel.ipynb"), str(tmp_path / "08.ipynb"),
-                        kernel_name="python3", cwd=str(root / "notebooks"), progress_bar=False)

@@ -624,29 +624,6 @@ def predicted_saved_bytes(method: str, cp: int, *, batch: int, n_heads: int, seq
 
 
 # ------------------------------------------------------------------------------------------------------
-# measurement helpers
-# ------------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def count_saved_bytes():
-    """Count the bytes of distinct storages autograd saves for backward inside the block
-    (``torch.autograd.graph.saved_tensors_hooks``). Yields a dict; ``["bytes"]`` is filled on exit.
-
-    Stand-in until labkit.measure (saved activations) is on main; then this should call it.
-    """
-    seen: dict[int, int] = {}
-    result = {"bytes": 0}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
-    result["bytes"] = int(sum(seen.values()))
-
-
-# ------------------------------------------------------------------------------------------------------
 # rank functions (launch(labkit.parallel.context.<fn>, world_size, ...))
 # ------------------------------------------------------------------------------------------------------
 def all_cases(methods=METHODS) -> list[dict]:
@@ -741,14 +718,17 @@ def _model_parity(ctx, spec_name, method, load_balance, seed, tol) -> dict:
 
 def _profile_once(q, k, v, dout, method, causal, lb, group, timeline=None, log=None) -> int:
     """One forward + backward of CP attention; returns the bytes saved for backward."""
+    from labkit.measure import SavedActivations
+
     ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
     with log.tagged("forward") if log else contextlib.nullcontext():
-        with count_saved_bytes() as saved:
+        # no module to attribute to: every saved storage of the attention call counts once
+        with SavedActivations(torch.nn.Module(), layers=[], keep_items=False) as saved:
             out = context_parallel_attention(ql, kl, vl, method=method, causal=causal, load_balance=lb,
                                              group=group, timeline=timeline)
     with log.tagged("backward") if log else contextlib.nullcontext():
         out.backward(dout)
-    return saved["bytes"]
+    return saved.total_bytes
 
 
 def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 4, seq_len: int = 1024,
@@ -759,7 +739,8 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
     default world_size; with cp < world_size the ranks form world_size/cp independent CP groups of
     consecutive ranks, all running at once).
 
-    Per config and rank, measured: ``saved_bytes`` (autograd saved tensors of the attention, bytes),
+    Per config and rank, measured: ``saved_bytes`` (storages autograd saves for the attention's backward,
+    bytes, :class:`labkit.measure.SavedActivations`),
     ``score_entries`` (attention scores the forward kernel computed, :func:`count_work`),
     ``fwd_bytes`` / ``bwd_bytes`` (bytes this rank sends, from :class:`labkit.commlog.CommLog`),
     ``compute_ns`` (per repeat: the rank's attention compute events, wall ns), ``cpu_ns`` (per repeat: CPU
