@@ -528,7 +528,7 @@ def ep_profile_rank(ctx, *, tokens_per_rank: int = 256, hidden_size: int = 64, f
                           "local_dropped": ep_moe.last_stats["dropped"]})
     ep_moe.capacity_factor = capacity_factor
 
-    def step(timeline=None, step_index=-1):
+    def step(timeline=None):
         ep_moe.timeline = timeline
         xl = x.clone().requires_grad_()
         y = xl + ep_moe(xl)
