@@ -206,3 +206,158 @@ def timeline_figure(df: pd.DataFrame, *, color_by: str = "kind", title: str = "P
         height=height or 120 + 45 * max(1, len(ranks)), legend_title=color_by, bargap=0.25,
     )
     return fig
+
+
+# ======================================================================================================
+# Serving (chapter 10) and scaling (chapter 11) — labkit.serving / labkit.scaling tables
+# ======================================================================================================
+def _subplots(rows: int, cols: int, titles):
+    from plotly.subplots import make_subplots
+
+    return make_subplots(rows=rows, cols=cols, subplot_titles=titles, horizontal_spacing=0.1)
+
+
+def serving_latency_figure(summary: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """From :func:`labkit.serving.summarize`: TTFT (left) and per-request decode TPS (right) vs total
+    concurrency, one colour per mode; p50 solid, p95 dashed. All *measured*."""
+    fig = _subplots(1, 2, ("time to first token (s)", "decode tokens/s per request"))
+    colors = _colors(summary["mode"].unique())
+    for mode, g in summary.groupby("mode", sort=False):
+        g = g.sort_values("concurrency")
+        for col, (metric, q, dash) in enumerate([("ttft", "p50", "solid"), ("ttft", "p95", "dash"),
+                                                 ("tps", "p50", "solid"), ("tps", "p95", "dash")]):
+            fig.add_trace(go.Scatter(x=g["concurrency"], y=g[f"{metric}_{q}" + ("_s" if metric == "ttft" else "")],
+                                     mode="lines+markers", line={"color": colors[mode], "dash": dash},
+                                     name=f"{mode} {metric.upper()} {q} (measured)", legendgroup=mode),
+                          row=1, col=1 if col < 2 else 2)
+    fig.update_xaxes(title="concurrency (requests in flight, total)", type="log")
+    fig.update_layout(title=title or "latency under a concurrency ramp: replicas vs TP (measured)",
+                      legend={"font": {"size": 10}})
+    return fig
+
+
+def serving_split_figure(summary: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """Stacked bars per (mode, concurrency): *measured* prefill and decode compute time (summed over serving
+    instances), with the all-reduce time inside them (TP) as a marker."""
+    x = [f"{m} c={c}" for m, c in zip(summary["mode"], summary["concurrency"])]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=x, y=summary["prefill_s"], name="prefill (measured)",
+                         text=[f"{f:.0%}" for f in summary["prefill_fraction"]], textposition="inside"))
+    fig.add_trace(go.Bar(x=x, y=summary["decode_s"], name="decode (measured)"))
+    fig.add_trace(go.Scatter(x=x, y=summary["allreduce_s"], mode="markers", name="of which all-reduce (measured)",
+                             marker={"symbol": "diamond", "size": 11, "color": "black"}))
+    fig.update_layout(barmode="stack", title=title or "where serving time goes: prefill vs decode")
+    fig.update_yaxes(title="seconds (sum over serving instances)")
+    return fig
+
+
+def kv_trace_figure(kv: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """KV cache bytes over time per replica: *measured* (bytes of live cache tensors, solid) and *predicted*
+    (labkit.memory.kv_cache_bytes of the live requests, dashed); the cancel storm as a marker."""
+    fig = go.Figure()
+    colors = _colors(kv["replica"].unique())
+    for rep, g in kv.groupby("replica", sort=False):
+        fig.add_trace(go.Scatter(x=g["t_s"], y=g["kv_bytes_measured"], mode="lines", line={"color": colors[rep]},
+                                 name=f"replica {rep}: measured", line_shape="hv"))
+        fig.add_trace(go.Scatter(x=g["t_s"], y=g["kv_bytes_predicted"], mode="lines", line_shape="hv",
+                                 line={"color": colors[rep], "dash": "dash"}, name=f"replica {rep}: predicted"))
+        c = g[g["event"] == "cancel"]
+        if len(c):
+            fig.add_trace(go.Scatter(x=c["t_s"], y=c["kv_bytes_measured"], mode="markers",
+                                     marker={"symbol": "x", "size": 13, "color": "red"},
+                                     name=f"replica {rep}: cancel storm"))
+    fig.update_xaxes(title="time since start (s)")
+    fig.update_yaxes(title="KV cache bytes")
+    fig.update_layout(title=title or "KV cache memory: measured vs calculator, through a cancel storm")
+    return fig
+
+
+def errors_figure(errors: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """Stacked bars per experiment of attempts by outcome (ok and each error type), *measured*, from
+    :func:`labkit.serving.error_table`."""
+    fig = go.Figure()
+    outcome_colors = {"ok": "#54A24B", "cancelled": "#EECA3B", "rank_lost": "#E45756", "comm_timeout": "#B279A2"}
+    for col, color in outcome_colors.items():
+        if col in errors.columns:
+            fig.add_trace(go.Bar(x=errors["experiment"], y=errors[col], name=col, marker_color=color))
+    fig.update_layout(barmode="stack", title=title or "attempts by outcome (measured)")
+    fig.update_yaxes(title="attempts")
+    return fig
+
+
+def deployments_figure(pred: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """From :func:`labkit.serving.predict_deployments` (*predicted*): TTFT and time per output token (left,
+    ms) and total throughput (right, tokens/s) for each TP degree (replicas = GPUs / tp)."""
+    fig = _subplots(1, 2, ("latency (ms, predicted)", "throughput (tokens/s, predicted)"))
+    x = [f"TP{t} x {r}" for t, r in zip(pred["tp"], pred["replicas"])]
+    fig.add_trace(go.Bar(x=x, y=pred["ttft_s"] * 1e3, name="TTFT (predicted)"), row=1, col=1)
+    fig.add_trace(go.Bar(x=x, y=pred["tpot_s"] * 1e3, name="time per output token (predicted)"), row=1, col=1)
+    fig.add_trace(go.Bar(x=x, y=pred["throughput_tok_s"], name="tokens/s, all replicas (predicted)"), row=1, col=2)
+    fig.update_layout(barmode="group", title=title or "replicas vs tensor parallelism (analytic model)")
+    return fig
+
+
+def scaling_figure(df: pd.DataFrame, reference: pd.DataFrame | None = None, title: str | None = None) -> go.Figure:
+    """Speedup (left) and efficiency (right) vs world size from :func:`labkit.scaling.efficiency`: one colour
+    per (experiment, mode), *measured* lines with markers; ideal n/n0 (*predicted*, grey dashed) and the
+    cores-limited ideal (*predicted*, dotted); rows of ``reference`` (recorded GPU series) dashed and
+    labelled *recorded elsewhere* with their GPU."""
+    fig = _subplots(1, 2, ("speedup = throughput(n) / throughput(n0)", "efficiency = speedup / (n / n0)"))
+    keys = list(dict.fromkeys(zip(df["experiment"], df["mode"])))
+    colors = _colors(keys)
+    for key in keys:
+        g = df[(df["experiment"] == key[0]) & (df["mode"] == key[1])].sort_values("world_size")
+        n0 = int(g["baseline_world_size"].iloc[0])
+        label = f"{key[0]} {key[1]} (measured, baseline n0={n0})"
+        fig.add_trace(go.Scatter(x=g["world_size"], y=g["speedup"], mode="lines+markers", name=label,
+                                 line={"color": colors[key]}, legendgroup=str(key),
+                                 text=g["speedup_formula"], hovertemplate="%{text}<extra></extra>"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=g["world_size"], y=g["efficiency"], mode="lines+markers", showlegend=False,
+                                 line={"color": colors[key]}, legendgroup=str(key),
+                                 text=g["efficiency_formula"], hovertemplate="%{text}<extra></extra>"), row=1, col=2)
+    sizes = sorted(df["world_size"].unique())
+    n0 = int(df["baseline_world_size"].min())
+    fig.add_trace(go.Scatter(x=sizes, y=[n / n0 for n in sizes], mode="lines", name="ideal n/n0 (predicted)",
+                             line={"color": "#888", "dash": "dash"}), row=1, col=1)
+    if "ideal_speedup_on_cores" in df.columns:
+        first = df[df["mode"] == df["mode"].iloc[0]].drop_duplicates("world_size").sort_values("world_size")
+        fig.add_trace(go.Scatter(x=first["world_size"], y=first["ideal_speedup_on_cores"], mode="lines",
+                                 name=f"ideal on {int(first['cores'].iloc[0])} cores (predicted)",
+                                 line={"color": "#444", "dash": "dot"}), row=1, col=1)
+    fig.add_trace(go.Scatter(x=sizes, y=[1.0] * len(sizes), mode="lines", showlegend=False,
+                             line={"color": "#888", "dash": "dash"}), row=1, col=2)
+    if reference is not None and len(reference):
+        for (gpu, exp, mode), g in reference.groupby(["gpu", "experiment", "mode"], sort=False):
+            g = g.sort_values("world_size")
+            name = f"{exp} {mode}, {gpu} (recorded elsewhere)"
+            fig.add_trace(go.Scatter(x=g["world_size"], y=g["speedup"], mode="lines+markers", name=name,
+                                     line={"dash": "dashdot"}), row=1, col=1)
+            fig.add_trace(go.Scatter(x=g["world_size"], y=g["efficiency"], mode="lines+markers", name=name,
+                                     line={"dash": "dashdot"}, showlegend=False), row=1, col=2)
+    fig.update_xaxes(title="world size n (ranks)", type="log", dtick=0.30103)
+    fig.update_layout(title=title or "strong vs weak scaling", legend={"font": {"size": 10}})
+    return fig
+
+
+def scaling_time_figure(df: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """Step time vs world size per (experiment, mode): *measured* median with min..max error bars; the ideal
+    (*predicted*: strong T(n0)·n0/n, weak T(n0)) dashed."""
+    fig = go.Figure()
+    keys = list(dict.fromkeys(zip(df["experiment"], df["mode"])))
+    colors = _colors(keys)
+    for key in keys:
+        g = df[(df["experiment"] == key[0]) & (df["mode"] == key[1])].sort_values("world_size")
+        fig.add_trace(go.Scatter(
+            x=g["world_size"], y=g["time_s"] * 1e3, mode="lines+markers", name=f"{key[0]} {key[1]} (measured)",
+            line={"color": colors[key]},
+            error_y={"type": "data", "symmetric": False, "array": (g["time_max_s"] - g["time_s"]) * 1e3,
+                     "arrayminus": (g["time_s"] - g["time_min_s"]) * 1e3}))
+        n0, t0 = g["baseline_world_size"].iloc[0], g["baseline_time_s"].iloc[0]
+        ideal = [t0 * n0 / n if key[1] == "strong" else t0 for n in g["world_size"]]
+        fig.add_trace(go.Scatter(x=g["world_size"], y=[v * 1e3 for v in ideal], mode="lines",
+                                 line={"color": colors[key], "dash": "dash"},
+                                 name=f"{key[0]} {key[1]} ideal (predicted)"))
+    fig.update_xaxes(title="world size n (ranks)", type="log", dtick=0.30103)
+    fig.update_yaxes(title="step time (ms): median, bars min..max")
+    fig.update_layout(title=title or "step time: strong (should fall) vs weak (should stay flat)")
+    return fig

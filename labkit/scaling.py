@@ -20,8 +20,9 @@ An *experiment* is a function ``experiment(ctx, work, **kwargs) -> step`` run in
 (model, data, optimizer — untimed) for ``work`` units of work on this rank and returns ``step()``, one timed
 unit (a training step, a batch of matmuls) that returns this rank's counts, e.g. ``{"tokens": 2048,
 "flops": 1.2e10}`` (any keys; they are summed over ranks). The runner warms up, then times ``repeats`` steps,
-each started after a barrier; a repeat lasts from the first rank's start to the last rank's end. Built in: :func:`matmul_experiment` (compute only,
-no communication) and :func:`train_experiment` (the lab's model, data parallel with torch DDP).
+each started after a barrier; a repeat lasts from the first rank's start to the last rank's end. Built in:
+:func:`matmul_experiment` (compute only, no communication) and :func:`train_experiment` (the lab's model,
+data parallel with torch DDP).
 
 Recorded GPU series live in ``data/reference/scaling/`` (:func:`load_reference`); nothing is shown when
 there is none — never an invented GPU number.
@@ -80,7 +81,6 @@ def train_experiment(ctx, work: int, model: str = "lab-tiny-llama", seq_len: int
     parallel with ``torch.nn.parallel.DistributedDataParallel`` (gradients all-reduced in buckets during
     backward), AdamW. Counts: ``sequences``, ``tokens``, ``flops`` (tokens × :func:`labkit.models.
     flops_per_token`, training: PaLM Appendix B)."""
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from labkit.models import SyntheticLM, build_model, flops_per_token, lm_loss, make_optimizer
@@ -151,58 +151,60 @@ def cases_for(world_size: int, *, strong_total: int | None = None, weak_per_rank
     return out
 
 
-def series_rank(ctx, experiment, cases: Sequence[dict], warmup: int = 1, repeats: int = 3,
-                kwargs: dict | None = None) -> dict:
-    """Rank function: for each case, set the experiment up for ``work_per_rank`` units, run ``warmup``
-    untimed steps, then ``repeats`` timed steps (barrier, clock, step, device sync, clock), each recorded on
-    the timeline as ``"<mode> step"``. A repeat lasts from the first rank's start to the last rank's end (on
-    rank 0's clock: each rank's clock offset is subtracted); counts are summed over ranks. Returns ``{"rows": [...], "rank", "node_rank", "clock_offset_ns", "threads"}``."""
+def series_rank(ctx, jobs: Sequence[dict], warmup: int = 1, repeats: int = 3) -> dict:
+    """Rank function. ``jobs``: ``[{"experiment", "kwargs", "cases"}]`` (cases from :func:`cases_for`). For
+    each case: set the experiment up for ``work_per_rank`` units, run ``warmup`` untimed steps, then
+    ``repeats`` timed steps (barrier, clock, step, device sync, clock), each recorded on the timeline as
+    ``"<experiment> <mode>"``. A repeat lasts from the first rank's start to the last rank's end (on rank 0's
+    clock: each rank's clock offset is subtracted); counts are summed over ranks.
+
+    Returns ``{"rows": [...], "rank", "node_rank", "clock_offset_ns", "threads"}``."""
     import torch
     import torch.distributed as dist
 
     from labkit.timeline import now_ns
 
-    fn = resolve_experiment(experiment)
-    kwargs = dict(kwargs or {})
     rows = []
-    for case in cases:
-        step = fn(ctx, case["work_per_rank"], **kwargs)
-        for _ in range(warmup):
-            step()
-        times, counts = [], {}
-        for i in range(positive_int("repeats", repeats)):
-            ctx.barrier()
-            t0 = now_ns()
-            with ctx.timer(f"{case['mode']} step", "compute", step=i):
-                counts = step() or {}
-            t1 = now_ns()
-            # the step lasts from the first rank's start to the last rank's end, on rank 0's clock (ranks
-            # that share cores do not run at once: the slowest rank's own duration would be too short)
-            off = ctx.clock_offset_ns
-            ends = torch.tensor([float(t1 - off), -float(t0 - off)], dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(ends, op=dist.ReduceOp.MAX)
-            times.append(float(ends[0] + ends[1]) / 1e9)
-        keys = sorted(counts)
-        tot = torch.tensor([float(counts[k]) for k in keys] or [0.0], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(tot)
-        t = sorted(times)
-        rows.append({**case, "time_s": statistics.median(t), "time_min_s": t[0], "time_max_s": t[-1],
-                     "repeats": len(t), **{k: float(v) for k, v in zip(keys, tot.tolist())}})
-        del step
+    for job in jobs:
+        fn = resolve_experiment(job["experiment"])
+        name = _experiment_name(job["experiment"])
+        for case in job["cases"]:
+            step = fn(ctx, case["work_per_rank"], **dict(job.get("kwargs") or {}))
+            for _ in range(warmup):
+                step()
+            times, counts = [], {}
+            for i in range(positive_int("repeats", repeats)):
+                ctx.barrier()
+                t0 = now_ns()
+                with ctx.timer(f"{name} {case['mode']}", "compute", step=i):
+                    counts = step() or {}
+                t1 = now_ns()
+                # the step lasts from the first rank's start to the last rank's end, on rank 0's clock (ranks
+                # that share cores do not run at once: the slowest rank's own duration would be too short)
+                off = ctx.clock_offset_ns
+                ends = torch.tensor([float(t1 - off), -float(t0 - off)], dtype=torch.float64, device=ctx.device)
+                dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+                times.append(float(ends[0] + ends[1]) / 1e9)
+            keys = sorted(counts)
+            tot = torch.tensor([float(counts[k]) for k in keys] or [0.0], dtype=torch.float64, device=ctx.device)
+            dist.all_reduce(tot)
+            t = sorted(times)
+            rows.append({"experiment": name, **case, "time_s": statistics.median(t), "time_min_s": t[0],
+                         "time_max_s": t[-1], "repeats": len(t),
+                         **{k: float(v) for k, v in zip(keys, tot.tolist())}})
+            del step
     return {"rows": rows, "rank": ctx.rank, "node_rank": ctx.node_rank, "clock_offset_ns": ctx.clock_offset_ns,
             "threads": torch.get_num_threads()}
 
 
 def torchrun_point(ctx, experiment: str = "train", strong_total: int | None = None,
                    weak_per_rank: int | None = None, warmup: int = 1, repeats: int = 3, **kwargs) -> dict:
-    """The same measurement under ``torchrun`` (JSON keyword arguments, one world size per run: the one
+    """The same measurement under ``torchrun`` (JSON keyword arguments; one world size per run: the one
     torchrun started). ``torchrun ... -m labkit.worker labkit.scaling:torchrun_point --kwargs
     '{"experiment": "train", "strong_total": 16, "weak_per_rank": 4}' --out DIR``; read the runs back with
     :func:`from_torchrun`."""
     cases = cases_for(ctx.world_size, strong_total=strong_total, weak_per_rank=weak_per_rank)
-    out = series_rank(ctx, experiment, cases, warmup, repeats, kwargs)
-    out["experiment"] = _experiment_name(experiment)
-    return out
+    return series_rank(ctx, [{"experiment": experiment, "kwargs": kwargs, "cases": cases}], warmup, repeats)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -212,23 +214,43 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _rows_of(out: dict, experiment_name: str, world_size: int, backend: str, cores: int) -> list[dict]:
-    return [{"experiment": experiment_name, "world_size": world_size, "threads_per_rank": out["threads"],
-             "cores": cores, "backend": backend, **r} for r in out["rows"]]
+def _rows_of(out: dict, world_size: int, backend: str, cores: int) -> list[dict]:
+    return [{"world_size": world_size, "threads_per_rank": out["threads"], "cores": cores, "backend": backend, **r}
+            for r in out["rows"]]
 
 
-def run(experiment="train", world_sizes: Sequence[int] = (1, 2, 4), *, strong_total: int | None = None,
+def _jobs(experiments, kwargs: dict) -> list[dict]:
+    """``"train"`` / a function / ``"module:function"`` (with ``kwargs``), or a dict name -> kwargs for several
+    experiments in the same launches."""
+    if isinstance(experiments, dict):
+        if kwargs:
+            raise ValueError(f"give each experiment's keyword arguments in the experiments dict, not as "
+                             f"{', '.join(sorted(kwargs))}=...")
+        items = list(experiments.items())
+    else:
+        items = [(experiments, kwargs)]
+    if not items:
+        raise ValueError("experiments is empty; give one, e.g. 'train', or a dict such as {'train': {}}")
+    for exp, _ in items:
+        resolve_experiment(exp)
+    return [{"experiment": exp, "kwargs": dict(kw or {})} for exp, kw in items]
+
+
+def run(experiments="train", world_sizes: Sequence[int] = (1, 2, 4), *, strong_total: int | None = None,
         weak_per_rank: int | None = None, warmup: int = 1, repeats: int = 3, threads_per_rank: int | None = None,
         backend: str = "auto", timeout_s: float = 300.0, baseline_world_size: int | None = None,
         **kwargs) -> pd.DataFrame:
-    """Measure a strong and/or weak scaling series: one :func:`labkit.launch` per world size (fresh ranks,
-    so one size cannot warm the next), each running every mode. ``experiment``: a built-in name
-    (``"train"``, ``"matmul"``), ``"module:function"`` or a function (see the module docstring); ``kwargs``
-    go to it. ``threads_per_rank``: torch threads per rank (default: launch's ``cores // world_size``; 1
-    makes each rank one core, as one GPU per rank).
+    """Measure strong and/or weak scaling series: one :func:`labkit.launch` per world size (fresh ranks, so
+    one size cannot warm the next), each running every experiment in every mode.
 
-    Returns :func:`efficiency` of the measured rows (every row *measured*; the ideal columns *predicted*),
-    with ``attrs["timelines"]`` (world_size -> timeline DataFrame).
+    ``experiments``: a built-in name (``"train"``, ``"matmul"``), ``"module:function"`` or a function (see the
+    module docstring), whose keyword arguments are ``kwargs``; or a dict ``{experiment: kwargs}`` for several.
+    ``strong_total`` / ``weak_per_rank``: work units (the experiment's ``work``). ``threads_per_rank``: torch
+    threads per rank (default: launch's ``cores // world_size``; 1 makes each rank one core, as one GPU per
+    rank).
+
+    Returns :func:`efficiency` of the measured rows (time and counts *measured*; the ideal columns
+    *predicted*), with ``attrs["timelines"]`` (world_size -> timeline DataFrame).
 
     Raises ValueError before any launch: an unknown experiment, a world size that does not divide
     ``strong_total``, neither mode asked for, an empty series.
@@ -238,14 +260,13 @@ def run(experiment="train", world_sizes: Sequence[int] = (1, 2, 4), *, strong_to
     sizes = [positive_int("world_size", w) for w in world_sizes]
     if not sizes:
         raise ValueError("world_sizes is empty; give at least one world size, e.g. (1, 2, 4)")
-    fn = resolve_experiment(experiment)
+    jobs = _jobs(experiments, kwargs)
     plans = {w: cases_for(w, strong_total=strong_total, weak_per_rank=weak_per_rank) for w in sizes}
-    name = _experiment_name(experiment)
     rows, timelines = [], {}
     for w in sizes:
-        res = launch(series_rank, w, fn, plans[w], warmup, repeats, kwargs, backend=backend, timeout_s=timeout_s,
-                     threads_per_rank=threads_per_rank)
-        rows += _rows_of(res[0], name, w, res.backend, _cores())
+        res = launch(series_rank, w, [dict(j, cases=plans[w]) for j in jobs], warmup, repeats, backend=backend,
+                     timeout_s=timeout_s, threads_per_rank=threads_per_rank)
+        rows += _rows_of(res[0], w, res.backend, _cores())
         timelines[w] = res.timeline
     df = efficiency(pd.DataFrame(rows), baseline_world_size)
     df.attrs["timelines"] = timelines
@@ -326,7 +347,7 @@ def with_mfu(df: pd.DataFrame, peak_flops: float, label: str = "machine peak (me
 
 def format_table(df: pd.DataFrame) -> str:
     """A text table: each speedup and efficiency printed with its baseline and the ratio that makes it."""
-    cols = ["mode", "world_size", "work_per_rank", "total_work", "time_s", "baseline_world_size", "speedup",
+    cols = ["experiment", "mode", "world_size", "work_per_rank", "total_work", "time_s", "baseline_world_size", "speedup",
             "speedup_formula", "efficiency", "efficiency_formula", "ideal_speedup", "ideal_speedup_on_cores"]
     if "mfu" in df.columns:
         cols += ["mfu", "mfu_denominator_flops"]
@@ -347,8 +368,7 @@ def from_torchrun(out_dirs: Sequence[str | Path], baseline_world_size: int | Non
     for d in out_dirs:
         res = load_results(d)
         meta = json.loads((Path(d) / "meta.json").read_text())
-        for r in _rows_of(res[0], res[0].get("experiment", meta["function"]), res.world_size, res.backend,
-                          _cores()):
+        for r in _rows_of(res[0], res.world_size, res.backend, _cores()):
             rows.append({**r, "n_nodes": meta.get("n_nodes", 1)})
     return efficiency(pd.DataFrame(rows), baseline_world_size)
 

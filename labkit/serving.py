@@ -38,7 +38,6 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -412,7 +411,8 @@ class Engine:
                             finish(x, "cancelled", now_ns())
                         gc.collect()
                     after = self.live_kv_bytes()
-                    cancel_info = {"step": step, "cancelled": len(victims), "in_flight_before": len(victims) + len(live),
+                    cancel_info = {"step": step, "cancelled": len(victims),
+                                   "in_flight_before": len(victims) + len(live),
                                    "kv_bytes_before_measured": before, "kv_bytes_after_measured": after,
                                    "kv_bytes_freed_measured": before - after,
                                    "kv_bytes_before_predicted": pred_before,
@@ -844,8 +844,10 @@ def predict_deployments(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8
     dev = cm.get_device(gpu)
     missing = [k for k in ("peak_bf16_tflops", "hbm_gbps", "nvlink") if k not in dev]
     if missing:
-        have = [n for n, d in cm.devices().items() if all(k in d for k in ("peak_bf16_tflops", "hbm_gbps", "nvlink"))]
-        raise ValueError(f"gpu={gpu!r} has no {', '.join(missing)} in data/hardware.yaml; use one of: {', '.join(have)}")
+        need = ("peak_bf16_tflops", "hbm_gbps", "nvlink")
+        have = [n for n, d in cm.devices().items() if all(k in d for k in need)]
+        raise ValueError(f"gpu={gpu!r} has no {', '.join(missing)} in data/hardware.yaml; "
+                         f"use one of: {', '.join(have)}")
     link = link or dev["nvlink"]
     peak = dev["peak_bf16_tflops"] * 1e12
     hbm = dev["hbm_gbps"] * 1e9 * hbm_efficiency
