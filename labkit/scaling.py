@@ -347,8 +347,8 @@ def with_mfu(df: pd.DataFrame, peak_flops: float, label: str = "machine peak (me
 
 def format_table(df: pd.DataFrame) -> str:
     """A text table: each speedup and efficiency printed with its baseline and the ratio that makes it."""
-    cols = ["experiment", "mode", "world_size", "work_per_rank", "total_work", "time_s", "baseline_world_size", "speedup",
-            "speedup_formula", "efficiency", "efficiency_formula", "ideal_speedup", "ideal_speedup_on_cores"]
+    cols = ["experiment", "mode", "world_size", "work_per_rank", "total_work", "time_s", "baseline_world_size",
+            "speedup", "speedup_formula", "efficiency", "efficiency_formula", "ideal_speedup", "ideal_speedup_on_cores"]
     if "mfu" in df.columns:
         cols += ["mfu", "mfu_denominator_flops"]
     show = df[[c for c in cols if c in df.columns]].copy()
