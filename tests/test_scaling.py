@@ -1,0 +1,108 @@
+"""Scaling: the arithmetic of speedup and efficiency checked by hand (strong and weak, baseline named), MFU,
+reference files, bad input before any launch, and one real series (1 and 2 ranks, two experiments)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from labkit import scaling
+from labkit.models import flops_per_token
+from labkit.spec import get_spec
+
+
+def _frame(mode, times, sizes=(1, 2, 4), work=8, threads=1, cores=2):
+    rows = []
+    for n, t in zip(sizes, times):
+        per = work // n if mode == "strong" else work
+        rows.append({"experiment": "x", "mode": mode, "world_size": n, "work_per_rank": per, "total_work": per * n,
+                     "time_s": t, "time_min_s": t, "time_max_s": t, "threads_per_rank": threads, "cores": cores})
+    return pd.DataFrame(rows)
+
+
+def test_strong_and_weak_efficiency_by_hand():
+    df = scaling.efficiency(pd.concat([_frame("strong", [1.0, 0.625, 0.5]), _frame("weak", [1.0, 1.25, 2.0])]))
+    s = df[df["mode"] == "strong"].set_index("world_size")
+    assert list(s["speedup"]) == pytest.approx([1.0, 1.6, 2.0])  # T(1)/T(n)
+    assert list(s["efficiency"]) == pytest.approx([1.0, 0.8, 0.5])
+    assert list(s["ideal_speedup"]) == [1, 2, 4] and list(s["ideal_speedup_on_cores"]) == [1, 2, 2]
+    assert s.loc[4, "speedup_formula"] == "T(1)=1.0000s / T(4)=0.5000s"
+    assert s.loc[4, "efficiency_formula"] == "2.00 / (4/1)"
+    w = df[df["mode"] == "weak"].set_index("world_size")
+    assert list(w["speedup"]) == pytest.approx([1.0, 1.6, 2.0])  # (n/1) T(1)/T(n)
+    assert list(w["efficiency"]) == pytest.approx([1.0, 0.8, 0.5])  # T(1)/T(n)
+    assert w.loc[2, "speedup_formula"] == "(2/1) x T(1)=1.0000s / T(2)=1.2500s"
+    assert (df["baseline_world_size"] == 1).all() and (df["baseline_time_s"] == 1.0).all()
+    # another baseline
+    b = scaling.efficiency(_frame("strong", [1.0, 0.625, 0.5]), baseline_world_size=2).set_index("world_size")
+    assert b.loc[4, "speedup"] == pytest.approx(1.25) and b.loc[4, "efficiency"] == pytest.approx(0.625)
+    with pytest.raises(ValueError, match=r"baseline_world_size=3 is not in the strong series; valid: 1, 2, 4"):
+        scaling.efficiency(_frame("strong", [1.0, 0.625, 0.5]), baseline_world_size=3)
+    text = scaling.format_table(df)
+    assert "T(1)=1.0000s / T(4)=0.5000s" in text and "baseline_world_size" in text
+
+
+def test_mfu_and_cases():
+    df = scaling.with_mfu(_frame("strong", [2.0, 1.0], sizes=(1, 2)).assign(flops=[4e9, 4e9]), 1e10)
+    assert list(df["achieved_flops"]) == [2e9, 4e9] and list(df["mfu"]) == pytest.approx([0.2, 0.4])
+    assert (df["mfu_denominator_flops"] == 1e10).all()
+    with pytest.raises(ValueError, match="no 'flops' column"):
+        scaling.with_mfu(_frame("strong", [1.0]), 1e10)
+    assert scaling.cases_for(4, strong_total=8, weak_per_rank=3) == [
+        {"mode": "strong", "work_per_rank": 2, "total_work": 8},
+        {"mode": "weak", "work_per_rank": 3, "total_work": 12}]
+    with pytest.raises(ValueError, match=r"world_size=3 does not divide strong_total=8; valid world_size: 1, 2, 4, 8"):
+        scaling.cases_for(3, strong_total=8)
+    with pytest.raises(ValueError, match="give strong_total"):
+        scaling.cases_for(2)
+
+
+def test_bad_input_before_any_launch():
+    with pytest.raises(ValueError, match=r"experiment='nope' is not valid; choose one of: matmul, train"):
+        scaling.run("nope", (1,), strong_total=2)
+    with pytest.raises(ValueError, match=r"world_size=3 does not divide strong_total=4"):
+        scaling.run("matmul", (1, 3), strong_total=4)
+    with pytest.raises(ValueError, match="world_sizes is empty"):
+        scaling.run("matmul", (), strong_total=4)
+    with pytest.raises(ValueError, match=r"world_size=0 must be an integer >= 1"):
+        scaling.run("matmul", (0,), strong_total=4)
+    with pytest.raises(ValueError, match="in the experiments dict"):
+        scaling.run({"matmul": {}}, (1,), strong_total=4, size=8)
+
+
+def test_reference_absent_roundtrip_and_bad_format(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaling, "reference_dir", lambda: tmp_path / "none")
+    empty = scaling.load_reference()
+    assert empty.empty and "no recorded GPU scaling series" in empty.attrs["status"]
+    df = scaling.efficiency(_frame("strong", [1.0, 0.6], sizes=(8, 16), work=32).assign(backend="nccl", repeats=3))
+    path = scaling.write_reference(df, {"gpus": ["NVIDIA H100 80GB HBM3"] * 8}, tmp_path / "ref.json")
+    back = scaling.load_reference(path)
+    assert list(back["speedup"]) == pytest.approx([1.0, 1 / 0.6]) and set(back["gpu"]) == {"NVIDIA H100 80GB HBM3"}
+    assert "recorded elsewhere" in back.attrs["status"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "other", "rows": []}))
+    with pytest.raises(ValueError, match="expected 'labkit.scaling/v1'"):
+        scaling.load_reference(bad)
+
+
+def test_real_series_one_and_two_ranks():
+    """Two launches (1 and 2 ranks), two experiments each: counts add up, strong keeps the total, weak grows
+    it, every step is on the timeline of every rank, and the baseline's speedup is 1."""
+    seq = 16
+    df = scaling.run({"train": {"seq_len": seq}, "matmul": {"size": 32}}, (1, 2), strong_total=4, weak_per_rank=2,
+                     repeats=2, threads_per_rank=1, backend="gloo", timeout_s=180)
+    assert len(df) == 2 * 2 * 2  # experiments x modes x world sizes
+    train = df[df["experiment"] == "train"].set_index(["mode", "world_size"])
+    assert train.loc[("strong", 1), "tokens"] == train.loc[("strong", 2), "tokens"] == 4 * seq
+    assert train.loc[("weak", 2), "tokens"] == 2 * train.loc[("weak", 1), "tokens"] == 4 * seq
+    per_token = train.loc[("strong", 2), "flops"] / (4 * seq)
+    assert per_token == pytest.approx(flops_per_token(get_spec("lab-tiny-llama"), seq, training=True))
+    mm = df[df["experiment"] == "matmul"].set_index(["mode", "world_size"])
+    assert mm.loc[("strong", 2), "matmuls"] == 4 and mm.loc[("weak", 2), "matmuls"] == 4
+    assert (df["time_s"] > 0).all() and (df["time_min_s"] <= df["time_s"]).all()
+    assert (df.loc[df["world_size"] == 1, "speedup"] == 1.0).all() and (df["threads_per_rank"] == 1).all()
+    tl = df.attrs["timelines"][2]
+    assert set(tl["rank"]) == {0, 1}
+    assert tl.groupby("rank").size().tolist() == [2 * 2 * 2] * 2  # experiments x modes x repeats per rank

@@ -1,0 +1,185 @@
+"""Serving: the KV-cache decode loop against the full forward pass, the engine's bookkeeping (KV bytes measured
+vs the calculator, cancel storm), the analytic deployment model by hand, and one launch on 2 ranks that checks
+replicas vs TP parity and the failure tests (lost rank with replicas and with TP)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from labkit import memory as mem
+from labkit import serving as sv
+from labkit.models import TOLERANCES, build_model
+from labkit.spec import get_spec
+
+TOL = TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("name", ["lab-tiny-llama", "lab-tiny-gpt"])
+def test_cached_prefill_and_batched_decode_equal_full_forward(name):
+    torch.set_num_threads(1)
+    model = build_model(name).eval()
+    v = model.spec.vocab_size
+    a, b = sv.prompt_tokens(1, 24, v), sv.prompt_tokens(2, 24, v)
+    with torch.inference_mode():
+        ref_a, ref_b = model(a[None])[0], model(b[None])[0]
+    eng = sv.Engine(model)
+    ca, cb = eng._alloc(24), eng._alloc(24)
+    torch.testing.assert_close(sv.prefill(model, a[:10], ca), ref_a[9], **TOL)
+    torch.testing.assert_close(sv.prefill(model, b[:15], cb), ref_b[14], **TOL)
+    # two sequences at different positions in one decode step, then a few more steps
+    for k in range(4):
+        pa, pb = 10 + k, 15 + k
+        out = sv.decode(model, torch.stack([a[pa], b[pb]]), torch.tensor([pa, pb]), [ca, cb])
+        torch.testing.assert_close(out[0], ref_a[pa], **TOL)
+        torch.testing.assert_close(out[1], ref_b[pb], **TOL)
+    assert eng.live_kv_bytes() == 2 * mem.kv_cache_bytes(model.spec, 24, "fp32")
+    del ca, cb
+    assert eng.live_kv_bytes() == 0
+
+
+def _greedy_reference(model, rid, prompt_len, n_new):
+    toks = sv.prompt_tokens(rid, prompt_len, model.spec.vocab_size)
+    out = []
+    with torch.inference_mode():
+        for _ in range(n_new):
+            nxt = int(model(toks[None])[0, -1].argmax())
+            out.append(nxt)
+            toks = torch.cat([toks, torch.tensor([nxt])])
+    return out
+
+
+def test_engine_serves_greedy_tokens_and_kv_bytes_match_calculator():
+    torch.set_num_threads(1)
+    model = build_model("lab-tiny-llama")
+    eng = sv.Engine(model)
+    reqs = sv.make_workload(6, short_prompt=8, long_prompt=40, long_every=3, output_len=5)
+    assert [r["kind"] for r in reqs] == ["long", "short", "short", "long", "short", "short"]
+    out = eng.serve(reqs, concurrency=3)
+    recs = {r["rid"]: r for r in out["records"]}
+    assert sorted(recs) == list(range(6)) and all(r["status"] == "ok" for r in recs.values())
+    assert all(r["new_tokens"] == 5 and r["ttft_s"] > 0 and r["tps"] > 0 for r in recs.values())
+    for rid in (0, 4):  # a long and a short prompt, decoded in a batch with others
+        assert recs[rid]["tokens"] == _greedy_reference(model, rid, reqs[rid]["prompt_len"], 5)
+    trace = pd.DataFrame(eng.kv_trace)
+    assert trace["in_flight"].max() == 3  # the concurrency cap
+    assert (trace["kv_bytes_measured"] == trace["kv_bytes_predicted"]).all()
+    assert eng.live_kv_bytes() == 0
+    assert out["prefill_s"] > 0 and out["decode_s"] > 0 and out["comm_s"] == 0
+
+
+def test_cancel_storm_frees_half_and_a_leak_would_show():
+    torch.set_num_threads(1)
+    model = build_model("lab-tiny-llama")
+    eng = sv.Engine(model)
+    reqs = sv.make_workload(7, short_prompt=8, long_prompt=24, output_len=6)
+    out = eng.serve(reqs, concurrency=5, cancel_step=2)
+    c = out["cancel"]
+    assert c["in_flight_before"] == 5 and c["cancelled"] == 3  # every other one, rounded up
+    assert c["kv_bytes_freed_measured"] == c["kv_bytes_freed_predicted"] > 0
+    assert c["kv_bytes_before_measured"] == c["kv_bytes_before_predicted"]
+    status = pd.Series([r["status"] for r in out["records"]]).value_counts()
+    assert status["cancelled"] == 3 and status["ok"] == 4
+    assert eng.live_kv_bytes() == 0
+    leaked = eng._alloc(10)  # a reference somebody forgot to drop stays measured
+    assert eng.live_kv_bytes() == mem.kv_cache_bytes(model.spec, 10, "fp32")
+    del leaked
+    assert eng.live_kv_bytes() == 0
+
+
+def test_error_table_counts_by_hand():
+    rows = [  # rid, attempt, status
+        (0, 1, "ok"), (1, 1, "rank_lost"), (1, 2, "ok"), (2, 1, "comm_timeout"), (2, 2, "comm_timeout"),
+        (3, 1, "cancelled")]
+    df = pd.DataFrame([{"experiment": "x", "rid": r, "attempt": a, "status": s} for r, a, s in rows])
+    t = sv.error_table(df).iloc[0]
+    assert (t["requests"], t["attempts"], t["ok"]) == (4, 6, 2)
+    assert (t["rank_lost"], t["comm_timeout"], t["cancelled"]) == (1, 2, 1)
+    assert t["error_rate"] == pytest.approx(4 / 6)
+    assert t["retried_ok"] == 1 and t["failed_final"] == 2
+
+
+def test_bad_input_names_the_fix():
+    with pytest.raises(ValueError, match=r"tp=3 does not divide n_kv_heads=2; valid tp: 1, 2"):
+        sv.make_plan(3, model="lab-tiny-llama")
+    with pytest.raises(ValueError, match=r"tp=3 does not divide n_kv_heads=4; valid tp: 1, 2, 4"):
+        sv.make_plan(3)
+    with pytest.raises(ValueError, match=r"world_size=2 does not divide concurrency=3"):
+        sv.make_plan(2, ramp=[3])
+    with pytest.raises(ValueError, match=r"exceeds the model's max_seq_len=128"):
+        sv.make_plan(2, long_prompt=120, output_len=16)
+    with pytest.raises(ValueError, match=r"mode='pipeline' is not valid; choose one of: replicas, tp"):
+        sv.make_plan(2, modes=["pipeline"])
+    with pytest.raises(ValueError, match=r"unknown model preset 'nope'"):
+        sv.make_plan(2, model="nope")
+    assert sv.make_plan(4)["model"] == "lab-small-llama"  # 4 kv heads: TP=4 splits them
+
+
+def test_predict_deployments_by_hand():
+    spec = get_spec("llama-2-13b")
+    df = sv.predict_deployments("llama-2-13b", gpus=8, gpu="h100-80gb", concurrency=8, prompt_len=1024,
+                                output_len=256, mfu=0.5, hbm_efficiency=0.8)
+    assert list(df["tp"]) == [1, 2, 4, 8] and list(df["replicas"]) == [8, 4, 2, 1]
+    assert (df["source"] == "predicted").all()
+    r1 = df.iloc[0]
+    assert r1["weights_bytes_per_gpu"] == 2 * spec.n_params()  # bf16, whole model
+    hbm = 3350e9 * 0.8
+    kv = 2 * 40 * 40 * 128 * 2 * 1 * (1024 + 128)  # 2 layers-worth K,V x heads x head_dim x bf16 x ctx
+    assert mem.kv_cache_bytes(spec, 1152, "bf16") == kv
+    assert r1["tpot_s"] == pytest.approx((2 * spec.n_params() + kv) / hbm)  # memory-bound, no all-reduce
+    assert r1["decode_bound"] == "memory" and r1["decode_allreduce_s"] == 0
+    assert r1["throughput_tok_s"] == pytest.approx(8 * 1 / r1["tpot_s"])
+    assert (df["ttft_s"].diff().dropna() < 0).all()  # prefill splits over tp
+    assert (df.loc[df["tp"] > 1, "decode_allreduce_s"] > 0).all()
+    with pytest.raises(ValueError, match=r"gpu='b200-180gb' has no peak_bf16_tflops"):
+        sv.predict_deployments(gpu="b200-180gb")
+    with pytest.raises(ValueError, match=r"tp=3 does not divide gpus=8"):
+        sv.predict_deployments(tps=[3])
+    with pytest.raises(ValueError, match=r"replicas=8 does not divide concurrency=4"):
+        sv.predict_deployments(tps=[1], concurrency=4)
+
+
+def test_replicas_vs_tp_and_failures_on_two_ranks():
+    """One launch: parity of TP with the whole model, the same greedy tokens from replicas and TP, the
+    cancel storm on both replicas, and a lost rank (replicas keep serving; TP fails on a timeout, retries)."""
+    out = sv.run(2, n_requests=6, short_prompt=8, long_prompt=24, long_every=3, output_len=4, ramp=[2, 4],
+                 cancel_step=2, lose_at_step=2, detect_timeout_s=1.0, backend="gloo", timeout_s=240)
+    p = out["parity"]
+    assert p["tp"] == 2 and p["tp_vs_whole_max_abs"] < 1e-4 and p["cached_vs_full_max_abs"] < 1e-4
+    assert p["tp_kv_bytes_per_rank"] * 2 == p["whole_kv_bytes"]  # each TP rank holds half the kv heads
+    rec = out["records"]
+    assert (rec["status"] == "ok").all() and len(rec) == 2 * 2 * 6  # 2 modes x 2 concurrencies x 6 requests
+    tokens = rec.groupby(["rid"])["tokens"].apply(lambda s: {tuple(t) for t in s})
+    assert (tokens.apply(len) == 1).all(), tokens  # replicas and TP generate the same greedy tokens
+    s = out["summary"]
+    assert set(zip(s["mode"], s["concurrency"])) == {("replicas", 2), ("replicas", 4), ("tp", 2), ("tp", 4)}
+    assert (s.loc[s["mode"] == "tp", "allreduce_s"] > 0).all()
+    assert (s.loc[s["mode"] == "replicas", "allreduce_s"] == 0).all()
+    assert ((s["prefill_fraction"] > 0) & (s["prefill_fraction"] < 1)).all()
+
+    c = out["cancel"]
+    assert (c["kv_bytes_freed_measured"] == c["kv_bytes_freed_predicted"]).all() and (c["cancelled"] >= 1).all()
+    assert (c["kv_bytes_at_end_measured"] == 0).all()
+
+    f = out["failures"]
+    lost = out["rank_loss"]["lost_rank"]
+    reps = f[f["experiment"] == "rank loss: replicas"]
+    first = reps[reps["attempt"] == 1]
+    survivors_own = first[first["rid"] % 2 != lost]
+    assert (survivors_own["status"] == "ok").all()  # the other replica kept serving its own requests
+    assert (first.loc[first["status"] != "ok", "status"] == "rank_lost").all()
+    assert (first["status"] == "rank_lost").any()
+    tp = f[f["experiment"] == "rank loss: tp"]
+    assert set(tp.loc[tp["attempt"] == 1, "status"]) <= {"ok", "comm_timeout"}
+    assert (tp["status"] == "comm_timeout").any()
+    e = out["errors"].set_index("experiment")
+    for exp in ("rank loss: replicas", "rank loss: tp"):
+        assert e.loc[exp, "failed_final"] == 0 and e.loc[exp, "requests"] == 6, e
+    assert e.loc["rank loss: tp", "comm_timeout"] >= 1 and e.loc["rank loss: replicas", "rank_lost"] >= 1
+    assert e.loc["cancel storm", "cancelled"] >= 2
+    retried = tp[tp["attempt"] == 2]
+    assert (retried["status"] == "ok").all() and (retried["ttft_s"] >= out["rank_loss"]["detect_timeout_s"]).all()
+    assert not math.isnan(out["wall_s"])
