@@ -311,10 +311,44 @@ def efficiency(df: pd.DataFrame, baseline_world_size: int | None = None) -> pd.D
     return pd.concat(out, ignore_index=True)
 
 
-def measure_peak(n: int = 512, repeats: int = 5) -> dict:
-    """The machine's measured dense float32 matmul peak (:func:`labkit.models.measure_matmul_peak`) with 1
-    thread and with every core, in this process: ``{"cores", "flops_1_thread", "flops_all_cores"}``
-    (FLOP/s, *measured*). Restores the thread count afterwards."""
+def predict_train(model: str = "lab-tiny-llama", world_sizes: Sequence[int] = (1, 2, 4), *, seq_len: int = 32,
+                  strong_total: int | None = None, weak_per_rank: int | None = None, peak_flops_per_rank: float,
+                  cores: int | None = None, threads_per_rank: int = 1, bytes_per_param: int = 4) -> pd.DataFrame:
+    """*Predicted* work of :func:`train_experiment` per (mode, world size), before running it:
+
+    * ``flops`` — one step over every rank: tokens × :func:`labkit.models.flops_per_token` (training,
+      PaLM Appendix B);
+    * ``compute_s_at_peak`` — one rank's FLOPs at ``peak_flops_per_rank``, slowed by ``n·threads / cores``
+      when the ranks need more cores than there are (they take turns): a lower bound on the step time;
+    * ``allreduce_bytes_per_rank`` — what DDP's ring all-reduce of the gradients sends per rank per step,
+      ``2(n-1)/n × n_params × bytes_per_param`` (Patarasuk & Yuan 2009), 0 on one rank.
+
+    Raises ValueError as :func:`cases_for`, or for an unknown model."""
+    from labkit.models import flops_per_token
+    from labkit.spec import get_spec
+
+    spec = get_spec(model)
+    cores = positive_int("cores", cores if cores is not None else _cores())
+    threads_per_rank = positive_int("threads_per_rank", threads_per_rank)
+    fpt = flops_per_token(spec, seq_len, training=True)
+    rows = []
+    for n in world_sizes:
+        for case in cases_for(n, strong_total=strong_total, weak_per_rank=weak_per_rank):
+            per_rank = case["work_per_rank"] * seq_len * fpt
+            slow = max(1.0, n * threads_per_rank / cores)
+            rows.append({"mode": case["mode"], "world_size": n, "work_per_rank": case["work_per_rank"],
+                         "tokens": case["total_work"] * seq_len, "flops": case["total_work"] * seq_len * fpt,
+                         "compute_s_at_peak": per_rank / peak_flops_per_rank * slow,
+                         "allreduce_bytes_per_rank": int(2 * (n - 1) / n * spec.n_params() * bytes_per_param),
+                         "source": "predicted"})
+    return pd.DataFrame(rows)
+
+
+def measure_peak(n: int = 768, repeats: int = 10, tries: int = 2) -> dict:
+    """The machine's measured dense float32 matmul peak (:func:`labkit.models.measure_matmul_peak`: best of
+    ``repeats``; here also best of ``tries`` such calls, since a peak is what the machine can do when nothing
+    else runs) with 1 thread and with every core, in this process: ``{"cores", "flops_1_thread",
+    "flops_all_cores"}`` (FLOP/s, *measured*). Restores the thread count afterwards."""
     import torch
 
     from labkit.models import measure_matmul_peak
@@ -323,9 +357,9 @@ def measure_peak(n: int = 512, repeats: int = 5) -> dict:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = measure_matmul_peak("cpu", n=n, repeats=repeats)
+        one = max(measure_matmul_peak("cpu", n=n, repeats=repeats) for _ in range(positive_int("tries", tries)))
         torch.set_num_threads(cores)
-        full = measure_matmul_peak("cpu", n=n, repeats=repeats)
+        full = max(measure_matmul_peak("cpu", n=n, repeats=repeats) for _ in range(tries))
     finally:
         torch.set_num_threads(before)
     return {"cores": cores, "flops_1_thread": one, "flops_all_cores": max(full, one)}

@@ -159,6 +159,7 @@ def test_replicas_vs_tp_and_failures_on_two_ranks():
     assert (s.loc[s["mode"] == "tp", "allreduce_s"] > 0).all()
     assert (s.loc[s["mode"] == "replicas", "allreduce_s"] == 0).all()
     assert ((s["prefill_fraction"] > 0) & (s["prefill_fraction"] < 1)).all()
+    assert (s["ttft_p95_s"] >= s["ttft_p50_s"]).all() and (s["tps_p95"] <= s["tps_p50"]).all()  # p95 = slow tail
 
     c = out["cancel"]
     assert (c["kv_bytes_freed_measured"] == c["kv_bytes_freed_predicted"]).all() and (c["cancelled"] >= 1).all()
