@@ -36,6 +36,7 @@ Every table says in a ``source`` column whether its numbers are measured or pred
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import gc
@@ -327,8 +328,6 @@ class Engine:
                               "kv_bytes_predicted": self.predicted_kv_bytes(live), "event": event})
 
     def _span(self, name, kind="compute", **tags):
-        import contextlib
-
         return self.timeline.span(name, kind, **tags) if self.timeline is not None else contextlib.nullcontext()
 
     # -- serving -----------------------------------------------------------------------------------------
@@ -665,8 +664,9 @@ def make_plan(world_size: int, *, model: str | None = None, n_requests: int = 16
     """Validate the arguments of :func:`run` and build the plan :func:`serve_rank` executes.
 
     ``ramp``: total concurrency levels (default world_size x 1, 2, 4), each a multiple of world_size (the
-    replicas share it evenly). ``cancel_step`` / ``lose_at_step``: decode step of the cancel storm / of the
-    rank loss (None: skip it); both run at the largest concurrency of the ramp.
+    replicas share it evenly). On one rank only the replica mode runs (TP over one rank is the same).
+    ``cancel_step`` / ``lose_at_step``: decode step of the cancel storm / of the rank loss (None: skip it);
+    both run at the largest concurrency of the ramp.
 
     Raises ValueError naming the bad value: unknown model, mode or dtype; tp (= world_size) not dividing the
     model's heads; a concurrency that is not a multiple of world_size; a request longer than max_seq_len.
@@ -677,6 +677,8 @@ def make_plan(world_size: int, *, model: str | None = None, n_requests: int = 16
     modes = list(modes)
     for m in modes:
         check_choice("mode", m, MODES)
+    if world_size == 1:  # TP over one rank is a replica: run it once
+        modes = ["replicas"]
     check_choice("dtype", dtype, tuple(_TORCH_DTYPES))
     if "tp" in modes and world_size > 1:
         check_tp(spec, world_size)
@@ -709,7 +711,8 @@ def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0,
     * ``cancel`` — per replica: requests cancelled, KV bytes freed measured vs predicted, bytes at the end;
     * ``failures`` — one row per request of the rank-loss runs (``experiment`` = replicas / tp);
     * ``errors`` — :func:`error_table` of the cancel storm and the rank-loss runs;
-    * ``rank_loss`` — detection timeout, rebuild time, lost rank, step;
+    * ``rank_loss`` — detection timeout, rebuild time, lost rank, step (``failures`` is empty and
+      ``rank_loss`` says why when it was skipped: one rank, or ``lose_at_step=None``);
     * ``timeline``, ``plan``, ``wall_s``.
 
     ``kwargs`` are :func:`make_plan`'s. Raises what make_plan raises, and launch errors.
@@ -747,6 +750,9 @@ def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0,
         out["failures"] = pd.DataFrame(fail)
         errs += fail
         out["rank_loss"] = {k: rl[k] for k in ("tp_rebuild_s", "detect_timeout_s", "lost_rank", "step")}
+    else:
+        out["failures"] = pd.DataFrame(columns=["experiment", "rid", "attempt", "status", "ttft_s", "replica"])
+        out["rank_loss"] = {"skipped": "losing a rank needs world_size >= 2 and lose_at_step"}
     out["errors"] = error_table(pd.DataFrame(errs)) if errs else pd.DataFrame()
     return out
 
