@@ -299,3 +299,55 @@ def run_rank(ctx, runs: list[dict] | None = None, **kwargs) -> list[dict]:
     """
     runs = [{"variant": v} for v in VARIANTS] if runs is None else runs
     return harness.run_experiments(ctx, WRAPPERS, runs, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the accumulation field case, in numbers small enough to check by hand
+# ------------------------------------------------------------------------------------------------------
+class _Scalar(nn.Module):
+    """One parameter w; forward(g) = g · w, so d(output)/dw = g exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, g):
+        return (g * self.w).sum()
+
+
+#: per rank, per micro-batch gradients of the demo; syncing on micro-batch 0 instead of the last leaves rank 0
+#: with (1+3)/2 + 2 = 4.0 and rank 1 with (1+3)/2 + 5 = 7.0, where both should hold (1+2+3+5)/2 = 5.5
+DEMO_GRADS = ((1.0, 2.0), (3.0, 5.0))
+
+
+def accumulation_demo(ctx, variant: str = "ddp", sync_microbatch: int | None = None,
+                      grads: tuple = DEMO_GRADS) -> float:
+    """Rank function: gradient accumulation over ``len(grads[rank])`` micro-batches of a one-parameter model
+    whose micro-batch gradient on rank r is exactly ``grads[r][mb]``. Every micro-batch but
+    ``sync_microbatch`` (default: the last, which is correct) runs inside ``no_sync()``. Returns this rank's
+    accumulated gradient after the loop.
+
+    Correct: every rank holds sum over micro-batches of the rank-average, sum_mb mean_r g[r][mb] (5.5 for
+    :data:`DEMO_GRADS`). Sync on micro-batch 0: rank r holds mean_r g[r][0] + sum_{mb>0} g[r][mb] — ranks
+    disagree (4.0 vs 7.0 for the demo numbers, the pattern of a public bug report about DDP ``no_sync``).
+    Raises ValueError if ``grads`` has no row for this rank or rows of different lengths.
+    """
+    if len(grads) != ctx.world_size or len({len(g) for g in grads}) != 1:
+        raise ValueError(f"grads needs {ctx.world_size} rows of equal length (one per rank), got {grads!r}")
+    m = len(grads[0])
+    sync_microbatch = m - 1 if sync_microbatch is None else sync_microbatch
+    model, _opt = build(variant, _Scalar().to(ctx.device), ctx)
+    for mb in range(m):
+        g = torch.tensor([grads[ctx.rank][mb]], device=ctx.device)
+        cm = model.no_sync() if mb != sync_microbatch else contextlib.nullcontext()
+        with cm:
+            model(g).backward()
+            if hasattr(model, "finish_grad_sync"):
+                model.finish_grad_sync()
+    if hasattr(model, "close"):
+        model.close()
+    return float(_unwrap_module(model).w.grad)
+
+
+def _unwrap_module(model):
+    return getattr(model, "module", model)
