@@ -47,7 +47,7 @@ def reference():
     return train_reference(MODEL, steps=STEPS, global_batch_size=GLOBAL_BATCH, seq_len=SEQ, return_grads=True)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["2ranks", "4ranks"])
 def launched(request):
     n = request.param
     res = launch(rank_fn, n, RUNS_2 if n == 2 else RUNS_4, timeout_s=300)

@@ -320,8 +320,14 @@ class _Scalar(nn.Module):
 DEMO_GRADS = ((1.0, 2.0), (3.0, 5.0))
 
 
+def demo_grads(world_size: int) -> tuple:
+    """:data:`DEMO_GRADS` for 2 ranks; for other sizes rank r gets (1 + 2r, 2 + 3r) (two micro-batches)."""
+    n = positive_int("world_size", world_size)
+    return DEMO_GRADS if n == 2 else tuple((1.0 + 2 * r, 2.0 + 3 * r) for r in range(n))
+
+
 def accumulation_demo(ctx, variant: str = "ddp", sync_microbatch: int | None = None,
-                      grads: tuple = DEMO_GRADS) -> float:
+                      grads: tuple | None = None) -> float:
     """Rank function: gradient accumulation over ``len(grads[rank])`` micro-batches of a one-parameter model
     whose micro-batch gradient on rank r is exactly ``grads[r][mb]``. Every micro-batch but
     ``sync_microbatch`` (default: the last, which is correct) runs inside ``no_sync()``. Returns this rank's
@@ -330,8 +336,10 @@ def accumulation_demo(ctx, variant: str = "ddp", sync_microbatch: int | None = N
     Correct: every rank holds sum over micro-batches of the rank-average, sum_mb mean_r g[r][mb] (5.5 for
     :data:`DEMO_GRADS`). Sync on micro-batch 0: rank r holds mean_r g[r][0] + sum_{mb>0} g[r][mb] — ranks
     disagree (4.0 vs 7.0 for the demo numbers, the pattern of a public bug report about DDP ``no_sync``).
-    Raises ValueError if ``grads`` has no row for this rank or rows of different lengths.
+    ``grads`` defaults to :func:`demo_grads` (world_size). Raises ValueError if ``grads`` does not have one row
+    per rank or its rows differ in length.
     """
+    grads = demo_grads(ctx.world_size) if grads is None else grads
     if len(grads) != ctx.world_size or len({len(g) for g in grads}) != 1:
         raise ValueError(f"grads needs {ctx.world_size} rows of equal length (one per rank), got {grads!r}")
     m = len(grads[0])
@@ -351,3 +359,61 @@ def accumulation_demo(ctx, variant: str = "ddp", sync_microbatch: int | None = N
 
 def _unwrap_module(model):
     return getattr(model, "module", model)
+
+
+def accumulation_demo_rank(ctx, variants=VARIANTS) -> dict:
+    """Rank function: :func:`accumulation_demo` for each variant, syncing on the last micro-batch (correct)
+    and on the first (the bug). Returns {variant: {"correct": grad, "wrong": grad}} for this rank."""
+    return {v: {"correct": accumulation_demo(ctx, v), "wrong": accumulation_demo(ctx, v, 0)} for v in variants}
+
+
+def scaling_rank(ctx, local_batch_sizes=(1, 2, 4, 8), *, model: str = "lab-tiny-llama", seq_len: int = 64,
+                 steps: int = 3, variant: str = "ddp", bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                 seed: int = 0) -> list[dict]:
+    """Rank function: for each local batch size b, the measured step time of (a) every rank training its own
+    copy on b sequences with no communication (``compute_s``: what each rank's share of the work costs, with
+    all ranks busy at once) and (b) data-parallel training with ``variant`` on a global batch of n·b
+    (``dp_s``). Medians over ``steps`` timed steps after one warm-up step.
+
+    Returns one dict per b: ``local_batch_size``, ``compute_s``, ``dp_s``, ``comm_s`` = dp_s - compute_s (the
+    communication left exposed), ``efficiency`` = compute_s / dp_s (1 = communication fully hidden or free),
+    ``tokens_per_s`` (global, data parallel), ``tokens_per_s_per_rank``.
+    """
+    import statistics
+
+    from labkit.models import SyntheticLM, build_model
+    from labkit.spec import get_spec
+
+    spec = get_spec(model)
+    data_ = SyntheticLM(spec.vocab_size, seq_len)
+    n = ctx.world_size
+    out = []
+    for b in local_batch_sizes:
+        b = positive_int("local_batch_size", b)
+        plain = build_model(spec, seed, device=ctx.device)
+        r_local = harness.train_steps(ctx, plain, make_optimizer(plain.parameters()), data_, steps=steps,
+                                      warmup_steps=1, global_batch_size=b, dp_rank=0, dp=1, record=False)
+        wrapped, opt = build(variant, build_model(spec, seed, device=ctx.device), ctx,
+                             bucket_cap_bytes=bucket_cap_bytes, log_comm=False)
+        r_dp = harness.train_steps(ctx, wrapped, opt, data_, steps=steps, warmup_steps=1, global_batch_size=b * n,
+                                   record=False)
+        if hasattr(wrapped, "close"):
+            wrapped.close()
+        c, d = statistics.median(r_local["step_s"]), statistics.median(r_dp["step_s"])
+        out.append({"local_batch_size": b, "compute_s": c, "dp_s": d, "comm_s": d - c, "efficiency": c / d,
+                    "tokens_per_s": b * n * seq_len / d, "tokens_per_s_per_rank": b * seq_len / d})
+    return out
+
+
+def chapter_rank(ctx, runs: list[dict] | None = None, *, scaling_batch_sizes=(1, 2, 4, 8), scaling_steps: int = 2,
+                 **kwargs) -> dict:
+    """Rank function for chapter 03, so one launch does all of it: the training variants (:func:`run_rank`
+    with ``runs`` and ``kwargs``), the hand-checkable accumulation demo (:func:`accumulation_demo_rank`) and
+    the local-batch sweep (:func:`scaling_rank`; skipped when ``scaling_batch_sizes`` is empty).
+    Returns {"runs": [...], "demo": {...}, "scaling": [...]}; :func:`harness.summarize` and
+    :func:`harness.exposure_table` accept the LaunchResult directly."""
+    out = {"runs": run_rank(ctx, runs, **kwargs), "demo": accumulation_demo_rank(ctx)}
+    seq_len = kwargs.get("seq_len", 64)
+    out["scaling"] = (scaling_rank(ctx, scaling_batch_sizes, model=kwargs.get("model", "lab-tiny-llama"),
+                                   seq_len=seq_len, steps=scaling_steps) if scaling_batch_sizes else [])
+    return out

@@ -431,13 +431,18 @@ def window(df, window_ns: tuple[int, int]):
     return df[(df["start_ns"] >= lo) & (df["end_ns"] <= hi)]
 
 
+def _runs(results) -> list[list[dict]]:
+    """Per rank, the list of run dicts (a rank may return the list itself or a dict with a ``runs`` entry)."""
+    return [r["runs"] if isinstance(r, dict) else r for r in results]
+
+
 def summarize(results) -> pd.DataFrame:
     """One row per run of a launch of :func:`run_experiments` (``results``: the LaunchResult, one list of run
-    dicts per rank): ``label``, ``tokens_per_s`` (measured; the slowest rank's, since ranks step together),
-    ``step_s`` (median over timed steps, slowest rank), ``comm_bytes_per_step`` (measured, rank 0, ring
-    bytes sent per rank), ``final_loss``, and measured model-state bytes on rank 0 (``parameters``,
-    ``gradients``, ``optimizer``, ``model_states``)."""
-
+    dicts per rank, or one dict with a ``runs`` list per rank): ``label``, ``tokens_per_s`` (measured; the
+    slowest rank's, since ranks step together), ``step_s`` (median over timed steps, slowest rank),
+    ``comm_bytes_per_step`` (measured, rank 0, ring bytes sent per rank), ``final_loss``, and measured
+    model-state bytes on rank 0 (``parameters``, ``gradients``, ``optimizer``, ``model_states``)."""
+    results = _runs(results)
     rows = []
     for i, r0 in enumerate(results[0]):
         per_rank = [results[k][i] for k in range(len(results))]
@@ -447,4 +452,63 @@ def summarize(results) -> pd.DataFrame:
                      "step_s": max(statistics.median(r["step_s"]) for r in per_rank),
                      "comm_bytes_per_step": r0["comm_bytes_per_step"], "final_loss": r0["losses"][-1],
                      **mem, "model_states": sum(mem.values())})
+    return pd.DataFrame(rows)
+
+
+def throughput_rank(ctx, wrappers: dict[str, Callable], runs: list[dict], *, model: str = "lab-small-llama",
+                    steps: int = 3, repeats: int = 3, warmup_steps: int = 1, global_batch_size: int = 8,
+                    seq_len: int = 128, lr: float = 1e-3, seed: int = 0, data_seed: int = 0,
+                    **wrap_options) -> dict[str, list[float]]:
+    """Rank function for fair speed comparisons: build every run's wrapped model once (same weights, same
+    data), warm each up, then time ``steps`` steps of each in turn, ``repeats`` rounds (interleaving spreads
+    machine noise over all variants alike). No timeline events; communication is not logged.
+
+    ``runs``: dicts with ``variant`` (a key of ``wrappers``), optional ``label`` and builder options.
+    Returns {label: [measured global tokens/s of each round]} (this rank's clock; ranks step together).
+    """
+    from labkit.checks import check_choice
+    from labkit.models import SyntheticLM, build_model
+    from labkit.spec import get_spec
+
+    spec = get_spec(model)
+    data = SyntheticLM(spec.vocab_size, seq_len, data_seed)
+    built = []
+    for run in runs:
+        check_choice("variant", run.get("variant"), list(wrappers))
+        options = {**wrap_options, **{k: v for k, v in run.items() if k not in ("variant", "label")}}
+        module = build_model(spec, seed, device=ctx.device)
+        wrapped, opt = wrappers[run["variant"]](module, ctx, lr=lr, **options)
+        label = run.get("label", run["variant"])
+        train_steps(ctx, wrapped, opt, data, steps=1, warmup_steps=warmup_steps, global_batch_size=global_batch_size,
+                    record=False)
+        built.append((label, wrapped, opt))
+    out: dict[str, list[float]] = {label: [] for label, _, _ in built}
+    for _ in range(positive_int("repeats", repeats)):
+        for label, wrapped, opt in built:
+            r = train_steps(ctx, wrapped, opt, data, steps=steps, global_batch_size=global_batch_size, record=False)
+            out[label].append(global_batch_size * seq_len * steps / sum(r["step_s"]))
+    for _, wrapped, _ in built:
+        if hasattr(wrapped, "close"):
+            wrapped.close()
+    return out
+
+
+def exposure_table(results) -> pd.DataFrame:
+    """Per run of a :func:`run_experiments` launch (``results``: the LaunchResult): measured communication
+    time on the timeline, the part hidden behind compute, and the exposed rest
+    (:func:`labkit.timeline.exposed_ns`), in ms per timed step, averaged over ranks."""
+    from labkit.timeline import exposed_ns
+
+    rows = []
+    for r0 in _runs(results)[0]:
+        df = window(results.timeline, r0["window_ns"])
+        steps = len(r0["step_s"])
+        if not len(df[df["kind"] == "comm"]):
+            rows.append({"label": r0["label"], "comm_ms": 0.0, "hidden_ms": 0.0, "exposed_ms": 0.0,
+                         "hidden_fraction": 0.0})
+            continue
+        e = exposed_ns(df).mean()
+        rows.append({"label": r0["label"], "comm_ms": e["total_ns"] / 1e6 / steps,
+                     "hidden_ms": e["hidden_ns"] / 1e6 / steps, "exposed_ms": e["exposed_ns"] / 1e6 / steps,
+                     "hidden_fraction": float(e["hidden_fraction"])})
     return pd.DataFrame(rows)

@@ -460,3 +460,62 @@ def run_rank(ctx, runs: list[dict] | None = None, **kwargs) -> list[dict]:
     run of each). Keyword arguments are run_experiments' (model, steps, global_batch_size, seq_len, ...)."""
     runs = [{"variant": v} for v in VARIANTS] if runs is None else runs
     return harness.run_experiments(ctx, WRAPPERS, runs, **kwargs)
+
+
+#: the ZeRO stage each variant implements (FSDP2 = full sharding = stage 3)
+STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
+
+
+def memory_rank(ctx, degrees=None, variants=VARIANTS, *, model: str = "lab-tiny-llama", seq_len: int = 32,
+                global_batch_size: int = 8, seed: int = 0) -> list[dict]:
+    """Rank function: measured model-state bytes per rank for each variant at each sharding degree d.
+
+    For each d in ``degrees`` (default: every divisor of the world size) the world is cut into blocks of d
+    consecutive ranks; each block trains its own replica group (``dist.new_group``; FSDP2: the ``shard``
+    dimension of a (world/d, d) DeviceMesh). After one optimizer step (AdamW creates its state lazily),
+    :func:`harness.model_state_bytes` reads the live tensors. Returns one dict per (d, variant) with
+    ``degree``, ``variant``, ``stage``, and measured ``parameters``, ``gradients``, ``optimizer`` (bytes,
+    this rank). Raises ValueError if a degree does not divide the world size, or for an unknown variant.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from labkit.checks import check_divides, divisors
+    from labkit.models import SyntheticLM, build_model
+    from labkit.spec import get_spec
+
+    n = ctx.world_size
+    degrees = divisors(n) if degrees is None else list(degrees)
+    for d in degrees:
+        check_divides("degree", d, "world_size", n)
+    for v in variants:
+        check_choice("variant", v, VARIANTS)
+    spec = get_spec(model)
+    data = SyntheticLM(spec.vocab_size, seq_len)
+    rows = []
+    for d in degrees:
+        groups = [dist.new_group(list(range(i, i + d))) for i in range(0, n, d)]
+        group = groups[ctx.rank // d]
+        mesh = (init_device_mesh(ctx.device.type, (n,)) if d == n else
+                init_device_mesh(ctx.device.type, (n // d, d), mesh_dim_names=("replicate", "shard"))["shard"])
+        for v in variants:
+            module = build_model(spec, seed, device=ctx.device)
+            opts = {"mesh": mesh} if v == "fsdp2" else {"group": group}
+            if v == "ddp":
+                opts["log_comm"] = False
+            wrapped, opt = build(v, module, ctx, **opts)
+            harness.train_steps(ctx, wrapped, opt, data, steps=1, global_batch_size=global_batch_size,
+                                dp_rank=dist.get_rank(group), dp=d, dp_group=group, record=False)
+            rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **harness.model_state_bytes(wrapped, opt)})
+            if hasattr(wrapped, "close"):
+                wrapped.close()
+    return rows
+
+
+def chapter_rank(ctx, runs: list[dict] | None = None, *, degrees=None, memory_variants=VARIANTS, **kwargs) -> dict:
+    """Rank function for chapter 04, one launch: the variants trained side by side (:func:`run_rank` with
+    ``runs`` and ``kwargs``) and model-state bytes per degree (:func:`memory_rank`).
+    Returns {"runs": [...], "memory": [...]}."""
+    out = {"runs": run_rank(ctx, runs, **kwargs)}
+    out["memory"] = memory_rank(ctx, degrees, memory_variants, model=kwargs.get("model", "lab-tiny-llama"),
+                                seq_len=kwargs.get("seq_len", 32))
+    return out
