@@ -415,7 +415,8 @@ def run_experiments(ctx, wrappers: dict[str, Callable], runs: list[dict], *, mod
             s["nbytes"] += r["nbytes"] / n
             s["bytes_per_rank"] += r["bytes_per_rank"] / n
         res["comm"] = summary
-        res.update(variant=run["variant"], label=run.get("label", run["variant"]))
+        res.update(variant=run["variant"], label=run.get("label", run["variant"]),
+                   n_microbatches=loop["n_microbatches"])
         if hasattr(wrapped, "close"):
             wrapped.close()
         del wrapped, optimizer, module
@@ -512,3 +513,24 @@ def exposure_table(results) -> pd.DataFrame:
                      "hidden_ms": e["hidden_ns"] / 1e6 / steps, "exposed_ms": e["exposed_ns"] / 1e6 / steps,
                      "hidden_fraction": float(e["hidden_fraction"])})
     return pd.DataFrame(rows)
+
+
+def per_rank(results, label: str) -> list[dict]:
+    """Every rank's run dict for the run called ``label`` (KeyError naming the labels if there is none)."""
+    runs = _runs(results)
+    labels = [r["label"] for r in runs[0]]
+    if label not in labels:
+        raise KeyError(f"no run labelled {label!r}; runs: {', '.join(labels)}")
+    i = labels.index(label)
+    return [rr[i] for rr in runs]
+
+
+def replica_spread(results, what: str = "grads") -> pd.Series:
+    """Per run label, the largest |difference| between any rank's ``what`` (``grads`` at the last step, or
+    ``state``) and rank 0's: 0.0 when the replicas agree exactly (as data parallelism requires)."""
+    runs = _runs(results)
+    out = {}
+    for i, r0 in enumerate(runs[0]):
+        ref = r0.get(what) or {}
+        out[r0["label"]] = max((max_abs_diff(rr[i][what], ref) for rr in runs[1:] if ref), default=0.0)
+    return pd.Series(out, name=f"max |{what} - rank 0 {what}|")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -519,3 +520,45 @@ def chapter_rank(ctx, runs: list[dict] | None = None, *, degrees=None, memory_va
     out["memory"] = memory_rank(ctx, degrees, memory_variants, model=kwargs.get("model", "lab-tiny-llama"),
                                 seq_len=kwargs.get("seq_len", 32))
     return out
+
+
+def root_params(spec) -> int:
+    """Parameters of the root unit (everything outside the layers): embeddings, final norm, output head."""
+    return spec.embedding_params() + spec.norm_params() + spec.head_params()
+
+
+def predicted_table(model: str, degrees, variants=VARIANTS) -> pd.DataFrame:
+    """Predicted model-state bytes per rank (:func:`predicted_model_state_bytes`, fp32 AdamW) for each
+    (degree, variant): columns ``degree``, ``variant``, ``stage``, ``parameters``, ``gradients``,
+    ``optimizer``, ``model_states``. Raises ValueError for an unknown model or variant."""
+    from labkit.spec import get_spec
+
+    psi = get_spec(model).n_params()
+    rows = []
+    for d in degrees:
+        for v in variants:
+            check_choice("variant", v, VARIANTS)
+            b = predicted_model_state_bytes(psi, d, STAGE_OF[v])
+            rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **b, "model_states": sum(b.values())})
+    return pd.DataFrame(rows)
+
+
+def comm_table(results, model: str) -> pd.DataFrame:
+    """Measured bytes per rank per step by collective for every run of a :func:`run_rank` /
+    :func:`chapter_rank` launch, beside :func:`predicted_comm_bytes` (with the root unit kept gathered).
+    Columns: ``label``, ``op``, ``calls`` (measured, per step), ``measured_bytes``, ``predicted_bytes``."""
+    from labkit.spec import get_spec
+
+    spec = get_spec(model)
+    runs = harness._runs(results)
+    n = len(runs)
+    rows = []
+    for r in runs[0]:
+        m = r.get("n_microbatches", 1)
+        pred = predicted_comm_bytes(STAGE_OF[r["variant"]], n, spec.n_params(), root_params=root_params(spec),
+                                    n_microbatches=m)
+        for op in sorted(set(pred) | set(r["comm"])):
+            c = r["comm"].get(op, {"calls": 0.0, "bytes_per_rank": 0.0})
+            rows.append({"label": r["label"], "op": op, "calls": c["calls"], "measured_bytes": c["bytes_per_rank"],
+                         "predicted_bytes": pred.get(op, 0.0)})
+    return pd.DataFrame(rows)
