@@ -35,6 +35,9 @@ from labkit.parallel import harness
 VARIANTS = ("naive", "bucket", "ddp")
 #: DDP's default bucket size (``bucket_cap_mb=25``), in bytes
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
+#: DDP's cap for the first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``): a small first bucket
+#: lets the first all-reduce start as soon as the output layer's gradients exist
+DEFAULT_FIRST_BUCKET_BYTES = 2**20
 
 
 def predicted_allreduce_bytes(n_params: int, world_size: int, bytes_per_element: int = 4) -> float:
@@ -112,8 +115,10 @@ class _Bucket:
 class DataParallelBucket(nn.Module):
     """Bucketed, overlapped gradient all-reduce launched from gradient hooks.
 
-    Parameters are grouped into buckets of at most ``bucket_cap_bytes`` (a larger tensor gets a bucket of
-    its own) in reverse registration order. When a bucket's last gradient has been accumulated
+    Parameters are grouped into buckets in reverse registration order (roughly the order backward produces
+    their gradients); a bucket closes as soon as it holds at least ``bucket_cap_bytes`` (DDP's rule in
+    ``compute_bucket_assignment_by_size``), the first one at ``first_bucket_cap_bytes`` (default: DDP's
+    1 MiB, or ``bucket_cap_bytes`` if smaller). When a bucket's last gradient has been accumulated
     (``register_post_accumulate_grad_hook``), its gradients are copied into the bucket buffer, divided by
     n, and an asynchronous ``all_reduce`` is launched; buckets are launched strictly in index order so
     every rank issues the same sequence of collectives (as DDP's reducer does). :meth:`finish_grad_sync`
@@ -122,9 +127,12 @@ class DataParallelBucket(nn.Module):
     Raises ValueError for a non-positive bucket_cap_bytes.
     """
 
-    def __init__(self, module: nn.Module, ctx=None, group=None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES):
+    def __init__(self, module: nn.Module, ctx=None, group=None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                 first_bucket_cap_bytes: int | None = None):
         super().__init__()
         positive_int("bucket_cap_bytes", bucket_cap_bytes)
+        first_cap = min(DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes) if first_bucket_cap_bytes is None else \
+            positive_int("first_bucket_cap_bytes", first_bucket_cap_bytes)
         self.module = module
         self.ctx = ctx
         self.group = group
@@ -136,13 +144,12 @@ class DataParallelBucket(nn.Module):
         self.buckets: list[_Bucket] = []
         cur: list[nn.Parameter] = []
         size = 0
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if cur and size + nbytes > bucket_cap_bytes:
+        for p in reversed(params):  # a bucket closes once it holds at least its cap (DDP's rule)
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= (bucket_cap_bytes if self.buckets else first_cap):
                 self.buckets.append(_Bucket(cur))
                 cur, size = [], 0
-            cur.append(p)
-            size += nbytes
         if cur:
             self.buckets.append(_Bucket(cur))
         self._bucket_of = {}

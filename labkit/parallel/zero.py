@@ -336,8 +336,8 @@ class ZeroDataParallel(nn.Module):
                     out[q] = p.detach().cpu().clone()
                 if gathered:
                     u.reshard()
-        keys = self.module.state_dict().keys()  # references only: freed storages are not read
-        return {k: out[k] if k in out else self.module.state_dict()[k].detach().cpu().clone() for k in keys}
+        sd = self.module.state_dict()  # references only: freed storages are not read
+        return {k: out[k] if k in out else v.detach().cpu().clone() for k, v in sd.items()}
 
     def close(self) -> None:
         for h in self._handles:
@@ -538,7 +538,8 @@ def predicted_table(model: str, degrees, variants=VARIANTS) -> pd.DataFrame:
     for d in degrees:
         for v in variants:
             check_choice("variant", v, VARIANTS)
-            b = predicted_model_state_bytes(psi, d, STAGE_OF[v])
+            b = {k: int(x) if float(x).is_integer() else x
+                 for k, x in predicted_model_state_bytes(psi, d, STAGE_OF[v]).items()}
             rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **b, "model_states": sum(b.values())})
     return pd.DataFrame(rows)
 
