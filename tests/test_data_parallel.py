@@ -122,10 +122,16 @@ def test_accumulation_demo_reproduces_4_vs_7(launched):
 
 
 def test_model_state_bytes_replicated(launched):
+    """labkit.measure on every replica: 4Ψ parameters, 4Ψ gradients, 8Ψ AdamW moments + one 4-byte step
+    counter per parameter tensor."""
     n, res = launched
     psi = get_spec(MODEL).n_params()
+    n_tensors = len(list(build_model(MODEL).parameters()))
     for label, per_rank in _by_label(res).items():
-        assert per_rank[0]["memory"] == {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer": 8 * psi}, label
+        for r in per_rank:
+            assert r["optimizer_steps"] == 4 * n_tensors, label
+            assert r["memory"] == {"parameters": 4 * psi, "gradients": 4 * psi,
+                                   "optimizer": 8 * psi + 4 * n_tensors}, label
 
 
 # ------------------------------------------------------------------------------------------------------

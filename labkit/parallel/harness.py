@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from labkit.checks import check_divides, positive_int
 from labkit.commlog import CommLog
+from labkit.measure import model_state_bytes
 from labkit.models import TOLERANCES, lm_loss, shard
 from labkit.timeline import now_ns
 
@@ -325,38 +326,11 @@ def assert_ranks_identical(states: list[dict], what: str = "") -> None:
                 raise AssertionError(f"{what}: rank {r} differs from rank 0 in {k} (max |diff| = {diff:.3g})")
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Measured bytes of model states held by this rank, from the live tensors.
-
-    ``parameters``: storages of the model's parameters and the optimizer's parameters (a ZeRO shard);
-    ``gradients``: storages of their ``.grad``; ``optimizer``: storages of every tensor in
-    ``optimizer.state`` except the scalar ``step`` counters. DTensors (FSDP2) count their local shard.
-    Each storage is counted once (views of one flat buffer share it); a freed storage counts 0.
-
-    Temporary: ``labkit.measure`` (issue 3) is the lab's measuring room; this is replaced by it when it lands.
-    """
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    def total(tensors):
-        seen, n = set(), 0
-        for t in tensors:
-            st = local(t).untyped_storage()
-            key = st.data_ptr() if st.nbytes() else id(st)
-            if key not in seen:
-                seen.add(key)
-                n += st.nbytes()
-        return n
-
-    params = list(_unwrap(model).parameters())
-    if optimizer is not None:
-        params += [p for g in optimizer.param_groups for p in g["params"]]
-    grads = [p.grad for p in params if p.grad is not None]
-    states = []
-    if optimizer is not None:
-        for st in optimizer.state.values():
-            states += [v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)]
-    return {"parameters": total(params), "gradients": total(grads), "optimizer": total(states)}
+def optimizer_step_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's ``step`` counters (AdamW keeps one float32 scalar per parameter tensor it
+    owns), the part of ``labkit.measure.model_state_bytes``'s ``optimizer`` that does not scale with Ψ."""
+    return sum(v.numel() * v.element_size() for st in optimizer.state.values() for k, v in st.items()
+               if k == "step" and isinstance(v, torch.Tensor))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -380,9 +354,11 @@ def run_experiments(ctx, wrappers: dict[str, Callable], runs: list[dict], *, mod
 
     Returns one dict per run (same order): ``variant``, ``label``, ``losses``, ``step_s``, ``tokens_per_s``,
     ``comm_bytes_per_step`` and ``comm`` (per op: calls, nbytes, bytes_per_rank, each per timed step),
-    ``memory`` (:func:`model_state_bytes` after the last step), ``grads`` (last step, before the update; full
-    gradients only), ``state`` (:func:`full_state_dict`, when ``return_state``), ``window_ns`` (start, end)
-    of the run on the launch's common clock (slice ``LaunchResult.timeline`` with :func:`window`).
+    ``memory`` (``labkit.measure.model_state_bytes`` after the last step: parameters, gradients, optimizer
+    with its step counters), ``optimizer_steps`` (:func:`optimizer_step_bytes`), ``grads`` (last step,
+    before the update; full gradients only), ``state`` (:func:`full_state_dict`, when ``return_state``),
+    ``window_ns`` (start, end) of the run on the launch's common clock (slice ``LaunchResult.timeline``
+    with :func:`window`).
     Raises ValueError for an unknown variant (naming the valid ones) or bad sizes.
     """
     from labkit.checks import check_choice
@@ -405,6 +381,7 @@ def run_experiments(ctx, wrappers: dict[str, Callable], runs: list[dict], *, mod
         wrapped, optimizer = wrappers[run["variant"]](module, ctx, lr=lr, **options)
         res = train_steps(ctx, wrapped, optimizer, data, grad_params=named, **loop)
         res["memory"] = model_state_bytes(wrapped, optimizer)
+        res["optimizer_steps"] = optimizer_step_bytes(optimizer)
         if return_state:
             res["state"] = full_state_dict(wrapped)
         n = loop["steps"]

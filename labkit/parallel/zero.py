@@ -23,9 +23,10 @@ so its arithmetic per element is the same as the single-process reference.
 DeviceMesh and builds the optimizer after sharding, after checking that the parameters are on the device
 the process group's backend serves (:func:`check_fsdp_devices`).
 
-Model-state bytes per rank (fp32 parameters and gradients, AdamW's two fp32 moments; the paper's Figure 1
-with 4-byte parameters and gradients and K = 8): :func:`predicted_model_state_bytes`. Communication per
-step: :func:`predicted_comm_bytes`.
+Model-state bytes per rank are predicted by the lab's calculator (``labkit.memory``, convention
+"torch-fp32": fp32 parameters and gradients, AdamW's two fp32 moments and a float32 step counter per
+optimizer tensor) and measured by ``labkit.measure`` (:func:`predicted_table`, :func:`memory_rank`).
+Communication per step: :func:`predicted_comm_bytes`.
 """
 
 from __future__ import annotations
@@ -52,27 +53,6 @@ BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
 # ------------------------------------------------------------------------------------------------------
 # theory
 # ------------------------------------------------------------------------------------------------------
-def predicted_model_state_bytes(n_params: int, dp: int, stage: int, *, param_bytes: int = 4, grad_bytes: int = 4,
-                                optimizer_bytes: int = 8) -> dict[str, float]:
-    """Model-state bytes per rank for ZeRO ``stage`` (0 = DDP) with ``dp`` data-parallel ranks.
-
-    Rajbhandari et al. 2020, Sec. 5.1 and Figure 1: baseline (param + grad + K)·Ψ; P_os: (param + grad)·Ψ +
-    K·Ψ/n; P_os+g: param·Ψ + (grad + K)·Ψ/n; P_os+g+p: (param + grad + K)·Ψ/n. The lab trains in fp32 with
-    AdamW (two fp32 moments, no separate master copy): param = grad = 4 bytes, K = 8 (the paper's
-    mixed-precision case is param = grad = 2, K = 12). Returns ``parameters``, ``gradients``, ``optimizer``.
-    Exact for the lab's ZeRO when dp divides every unit's parameter count (otherwise each flat buffer is
-    padded by up to dp-1 elements). Raises ValueError for a bad stage, n_params or dp.
-
-    (``labkit.memory`` is the lab's calculator; this is the stage formula alone, used to check this module.)
-    """
-    check_choice("stage", stage, STAGES)
-    n_params = positive_int("n_params", n_params)
-    dp = positive_int("dp", dp)
-    return {"parameters": n_params * param_bytes / (dp if stage >= 3 else 1),
-            "gradients": n_params * grad_bytes / (dp if stage >= 2 else 1),
-            "optimizer": n_params * optimizer_bytes / (dp if stage >= 1 else 1)}
-
-
 def predicted_comm_bytes(stage: int, world_size: int, n_params: int, *, root_params: int = 0,
                          n_microbatches: int = 1, bytes_per_element: int = 4) -> dict[str, float]:
     """Bytes one rank sends per optimizer step, by collective, with ring algorithms (nccl-tests factors:
@@ -252,7 +232,7 @@ class ZeroDataParallel(nn.Module):
         root = []
         for q, p in module.named_parameters():
             (per_unit[owner[p]] if p in owner else root).append((q, p))
-        self.units: list[_Unit] = []
+        self.units: list[_Unit] = []  # (root first, then the layers in order)
         self.root = None
         if root:
             self.root = _Unit("root", root, self.n, self.rank, stage)
@@ -265,6 +245,8 @@ class ZeroDataParallel(nn.Module):
                 self._layer_units.append((unit_modules[i], u))
         for u in self.units:
             u.group = group
+        # registered, so ``self.parameters()`` (and labkit.measure) see what this rank keeps: the shards
+        self.shards = nn.ParameterList([u.shard for u in self.units])
         self._unit_of = {p: u for u in self.units for p in u.params}
         self.require_sync = True
         self._pending = False
@@ -474,13 +456,16 @@ def memory_rank(ctx, degrees=None, variants=VARIANTS, *, model: str = "lab-tiny-
     For each d in ``degrees`` (default: every divisor of the world size) the world is cut into blocks of d
     consecutive ranks; each block trains its own replica group (``dist.new_group``; FSDP2: the ``shard``
     dimension of a (world/d, d) DeviceMesh). After one optimizer step (AdamW creates its state lazily),
-    :func:`harness.model_state_bytes` reads the live tensors. Returns one dict per (d, variant) with
+    ``labkit.measure.model_state_bytes`` reads the live tensors. Returns one dict per (d, variant) with
     ``degree``, ``variant``, ``stage``, and measured ``parameters``, ``gradients``, ``optimizer`` (bytes,
-    this rank). Raises ValueError if a degree does not divide the world size, or for an unknown variant.
+    this rank; ``optimizer`` includes AdamW's step counters, also given alone as ``optimizer_steps``: one per
+    parameter tensor for DDP and FSDP2, one per unit for the lab's flat ZeRO). Raises ValueError if a degree
+    does not divide the world size, or for an unknown variant.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     from labkit.checks import check_divides, divisors
+    from labkit.measure import model_state_bytes
     from labkit.models import SyntheticLM, build_model
     from labkit.spec import get_spec
 
@@ -506,7 +491,8 @@ def memory_rank(ctx, degrees=None, variants=VARIANTS, *, model: str = "lab-tiny-
             wrapped, opt = build(v, module, ctx, **opts)
             harness.train_steps(ctx, wrapped, opt, data, steps=1, global_batch_size=global_batch_size,
                                 dp_rank=dist.get_rank(group), dp=d, dp_group=group, record=False)
-            rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **harness.model_state_bytes(wrapped, opt)})
+            rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **model_state_bytes(wrapped, opt),
+                         "optimizer_steps": harness.optimizer_step_bytes(opt)})
             if hasattr(wrapped, "close"):
                 wrapped.close()
     return rows
@@ -528,19 +514,27 @@ def root_params(spec) -> int:
 
 
 def predicted_table(model: str, degrees, variants=VARIANTS) -> pd.DataFrame:
-    """Predicted model-state bytes per rank (:func:`predicted_model_state_bytes`, fp32 AdamW) for each
-    (degree, variant): columns ``degree``, ``variant``, ``stage``, ``parameters``, ``gradients``,
-    ``optimizer``, ``model_states``. Raises ValueError for an unknown model or variant."""
+    """Predicted model-state bytes per rank for each (degree, variant), from the lab's calculator:
+    ``labkit.memory.train_memory`` with ``ParallelConfig(dp=degree, zero=stage)`` and convention "torch-fp32"
+    (Rajbhandari et al. 2020, Figure 1, with 4 + 4 + 8 bytes per parameter and AdamW's 4-byte step counter
+    per parameter tensor). Columns ``degree``, ``variant``, ``stage``, ``parameters``, ``gradients``,
+    ``optimizer``, ``optimizer_steps`` (the step counters inside ``optimizer``), ``model_states``.
+    Raises ValueError for an unknown model or variant."""
+    from labkit import memory
     from labkit.spec import get_spec
 
-    psi = get_spec(model).n_params()
+    spec = get_spec(model)
+    train = memory.TrainConfig(convention="torch-fp32", seq_len=min(32, spec.max_seq_len))
+    steps = memory.get_convention("torch-fp32").step_bytes * len(memory.param_tensors(spec))
     rows = []
     for d in degrees:
         for v in variants:
             check_choice("variant", v, VARIANTS)
-            b = {k: int(x) if float(x).is_integer() else x
-                 for k, x in predicted_model_state_bytes(psi, d, STAGE_OF[v]).items()}
-            rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **b, "model_states": sum(b.values())})
+            est = memory.train_memory(spec, memory.ParallelConfig(dp=d, zero=STAGE_OF[v]), train, headroom=0.0,
+                                      workspace_bytes=0)
+            b = {k: est.categories[k] for k in ("parameters", "gradients", "optimizer")}
+            rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **b, "optimizer_steps": steps,
+                         "model_states": sum(b.values())})
     return pd.DataFrame(rows)
 
 
