@@ -162,14 +162,3 @@ def test_carve_removes_blocking_intervals():
     assert harness._carve(spans, [(10, 20), (50, 120)]) == [("B", 0, 10, {}), ("B", 20, 50, {})]
     assert harness._carve(spans, []) == spans
 
-
-@pytest.mark.slow
-def test_chapter_03_executes(tmp_path):
-    """The chapter runs headless with its defaults (its own checks are asserts inside)."""
-    import papermill
-
-    from labkit.paths import notebooks_dir
-
-    nb = notebooks_dir() / "03_data_parallel.ipynb"
-    papermill.execute_notebook(str(nb), str(tmp_path / "out.ipynb"), kernel_name="python3", cwd=str(nb.parent),
-                               progress_bar=False)

@@ -186,14 +186,3 @@ def test_fsdp2_gloo_with_cuda_parameters_raises():
     with pytest.raises(ValueError, match="is on cuda"):
         zero.check_fsdp_devices(build_model(MODEL, device="cuda"), "cpu", "gloo")
 
-
-@pytest.mark.slow
-def test_chapter_04_executes(tmp_path):
-    """The chapter runs headless with its defaults (its own checks are asserts inside)."""
-    import papermill
-
-    from labkit.paths import notebooks_dir
-
-    nb = notebooks_dir() / "04_zero_fsdp.ipynb"
-    papermill.execute_notebook(str(nb), str(tmp_path / "out.ipynb"), kernel_name="python3", cwd=str(nb.parent),
-                               progress_bar=False)
