@@ -221,6 +221,7 @@ def train_steps(ctx, model, optimizer: torch.optim.Optimizer, data, *, steps: in
             t_step = time.perf_counter()
             CURRENT.step = step
             tokens, targets = local_batch(data, step, global_batch_size, dp_rank, dp)
+            tokens, targets = tokens.to(ctx.device), targets.to(ctx.device)
             seq_len = tokens.shape[1]
             optimizer.zero_grad(set_to_none=True)
             if hasattr(model, "zero_grad"):
