@@ -323,17 +323,18 @@ def layouts(draw):
 @given(layouts(), st.sampled_from([2, 3, 4]))
 def test_zero_sharded_categories_never_grow_with_dp(layout, factor):
     spec, par, train = layout
-    a = m.train_memory(spec, par, train).categories
-    b = m.train_memory(spec, replace_par(par, dp=par.dp * factor), train).categories
-    for cat in ("parameters", "gradients", "optimizer"):
-        assert b[cat] <= a[cat], (cat, par)
-    if par.zero == 0:  # nothing is sharded over dp
-        assert all(b[c] == a[c] for c in ("parameters", "gradients", "optimizer"))
-    if par.zero >= 1 and a["optimizer"] > 0:
-        assert b["optimizer"] < a["optimizer"]
-    if par.zero < 3:
-        assert b["parameters"] == a["parameters"]
-    assert b["activations"] == a["activations"]
+    for stage in range(par.pp):  # compare the same pipeline rank: the most loaded one can change with dp
+        a = m.train_memory(spec, par, train, stage=stage).categories
+        b = m.train_memory(spec, replace_par(par, dp=par.dp * factor), train, stage=stage).categories
+        for cat in ("parameters", "gradients", "optimizer"):
+            assert b[cat] <= a[cat], (cat, par, stage)
+        if par.zero == 0:  # nothing is sharded over dp
+            assert all(b[c] == a[c] for c in ("parameters", "gradients", "optimizer"))
+        if par.zero >= 1 and a["optimizer"] > 0:
+            assert b["optimizer"] < a["optimizer"]
+        if par.zero < 3:
+            assert b["parameters"] == a["parameters"]
+        assert b["activations"] == a["activations"]
 
 
 @FAST
