@@ -19,7 +19,9 @@ from __future__ import annotations
 import collections
 import inspect
 import json
+import linecache
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -318,7 +320,11 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=env, start_new_session=True)
             ranks.append(_Rank(rank, proc, echo))
-        _wait(ranks, run_dir, world_size, timeout_s, start)
+        try:
+            _wait(ranks, run_dir, world_size, timeout_s, start)
+        except RankFailed as e:
+            _restore_source_lines(e, fn)
+            raise
         outputs = [cloudpickle.loads((run_dir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
         wall_s = time.monotonic() - start
         frames = []
@@ -427,6 +433,53 @@ def _raise_timeout(ranks, run_dir, world_size, timeout_s, elapsed) -> None:
             parts.append(f"--- stack of rank {rank} ---\n{st}")
     raise LaunchTimeout("\n".join(parts), rank=alive[0].rank if alive else None, world_size=world_size,
                         stacks=stacks, elapsed_s=elapsed)
+
+
+_DYNAMIC_FRAME = re.compile(r'File "<dynamic-code>", line (\d+), in (\S+)\n')
+
+
+def _code_index(fn) -> list[tuple[str, int, int, str]]:
+    """(name, first line, last line, file) of every code object reachable from ``fn`` (its nested code,
+    and functions it references), so frames of by-value functions can be mapped back to their source."""
+    entries, seen, stack = [], set(), [fn]
+    while stack:
+        f = stack.pop()
+        if not inspect.isfunction(f) or id(f) in seen:
+            continue
+        seen.add(id(f))
+        codes = [f.__code__]
+        while codes:
+            c = codes.pop()
+            lines = [ln for _, _, ln in c.co_lines() if ln]
+            entries.append((c.co_name, min(lines, default=c.co_firstlineno), max(lines, default=0), c.co_filename))
+            codes += [k for k in c.co_consts if inspect.iscode(k)]
+        try:
+            cv = inspect.getclosurevars(f)
+            stack += [v for v in (*cv.nonlocals.values(), *cv.globals.values()) if inspect.isfunction(v)]
+        except (TypeError, ValueError):
+            pass
+    return entries
+
+
+def _restore_source_lines(err: RankFailed, fn) -> None:
+    """cloudpickle ships functions by value with the file name ``<dynamic-code>``, so a rank's traceback
+    has no source lines. Put the real file name (e.g. the notebook cell) and the line back."""
+    if "<dynamic-code>" not in err.traceback_text:
+        return
+    index = _code_index(fn)
+
+    def repl(m):
+        line, name = int(m.group(1)), m.group(2)
+        for n, first, last, filename in index:
+            if n == name and first <= line <= last:
+                src = linecache.getline(filename, line).strip()
+                return f'File "{filename}", line {line}, in {name}\n' + (f"    {src}\n" if src else "")
+        return m.group(0)
+
+    new_tb = _DYNAMIC_FRAME.sub(repl, err.traceback_text)
+    msg = str(err).replace(err.traceback_text, new_tb)
+    err.args = (msg,)
+    err.traceback_text = new_tb
 
 
 def load_results(out_dir: str | Path) -> LaunchResult:

@@ -1,0 +1,38 @@
+"""``labkit run``: execute the chapter notebooks headless with papermill and print a summary."""
+
+from __future__ import annotations
+
+import sys
+
+NAME = "run"
+HELP = "execute chapter notebooks headless (papermill) into runs/<stamp>/ and print a summary"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--chapters", default=None,
+                   help="comma-separated chapter numbers, e.g. 00,02 (default: every chapter)")
+    p.add_argument("--out", default=None, help="folder for executed notebooks (default runs/<stamp>/)")
+    p.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a parameter in every chapter that declares it (repeatable), e.g. -p world_size=4")
+    p.add_argument("--cell-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="per-cell timeout; a cell running longer fails its notebook (default 600)")
+    p.add_argument("--kernel", default="python3", help="Jupyter kernel name (default python3)")
+
+
+def run(args) -> int:
+    import pandas as pd
+
+    from labkit.checks import positive_float
+    from labkit.notebooks import parse_parameters, run_chapters
+
+    chapters = [c for c in args.chapters.split(",") if c.strip()] if args.chapters else None
+    params = parse_parameters(args.parameter)
+    timeout = positive_float("--cell-timeout", args.cell_timeout)
+    df = run_chapters(chapters, out=args.out, parameters=params, cell_timeout_s=timeout, kernel_name=args.kernel,
+                      progress=sys.stderr.isatty())
+    with pd.option_context("display.max_colwidth", 80, "display.width", 200):
+        print(df[["notebook", "status", "seconds", "error"]].to_string(index=False))
+    out = df["output"].iloc[0].rsplit("/", 1)[0] if len(df) else args.out
+    n_bad = int((df["status"] != "ok").sum())
+    print(f"\n{len(df) - n_bad}/{len(df)} chapters ok, {df['seconds'].sum():.0f} s in all; executed notebooks in {out}")
+    return 1 if n_bad else 0

@@ -1,0 +1,119 @@
+"""Execute the chapter notebooks headless with papermill (behind ``labkit run`` and the notebook tests).
+
+Each chapter runs in its own kernel with a per-cell timeout, so a hung cell or a dead kernel fails that
+notebook and the run goes on to the next one. Executed copies land in ``runs/<stamp>/`` (or ``--out``) with
+a ``summary.csv`` (notebook, status, seconds, parameters, error).
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from labkit.paths import notebooks_dir, runs_dir
+
+CHAPTER_RE = re.compile(r"^(\d\d)_[A-Za-z0-9_]+\.ipynb$")
+DEFAULT_CELL_TIMEOUT_S = 600.0
+
+
+def discover(chapters: list[str] | None = None, folder: str | Path | None = None) -> list[Path]:
+    """Chapter notebooks ``NN_topic.ipynb`` in ``folder`` (default notebooks/), sorted; ``chapters`` keeps
+    those whose number is listed ("00", "2" and "02" both name chapter 02).
+
+    Raises ValueError for a chapter that does not exist (listing the ones that do).
+    """
+    folder = Path(folder) if folder is not None else notebooks_dir()
+    found = {CHAPTER_RE.match(p.name).group(1): p for p in sorted(folder.glob("*.ipynb")) if CHAPTER_RE.match(p.name)}
+    if not chapters:
+        return list(found.values())
+    out = []
+    for c in chapters:
+        key = str(c).strip().zfill(2)
+        if key not in found:
+            raise ValueError(f"chapter {c!r} not found in {folder}; chapters: {', '.join(found) or 'none'}")
+        out.append(found[key])
+    return out
+
+
+def parse_parameters(pairs: list[str] | None) -> dict:
+    """``["world_size=4", "fast=true"]`` -> ``{"world_size": 4, "fast": True}`` (values read as YAML).
+
+    Raises ValueError for an item without ``=``.
+    """
+    params = {}
+    for item in pairs or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise ValueError(f"parameter {item!r} must look like name=value (e.g. world_size=4)")
+        params[name.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return params
+
+
+def declared_parameters(path: str | Path) -> dict:
+    """Names and defaults of the notebook's ``parameters`` cell (papermill.inspect_notebook)."""
+    import papermill
+
+    return papermill.inspect_notebook(str(path))
+
+
+def run_notebook(path: str | Path, output: str | Path, parameters: dict | None = None,
+                 cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, kernel_name: str = "python3") -> dict:
+    """Execute one notebook; return a summary row (never raises for a failing notebook).
+
+    Only the ``parameters`` the notebook declares are passed to it. Status is ``ok``, ``failed`` (a cell
+    raised: its error is in ``error``), or ``timeout`` (a cell exceeded ``cell_timeout_s``, or the kernel
+    died).
+    """
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    path, output = Path(path), Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    declared = declared_parameters(path)
+    applied = {k: v for k, v in (parameters or {}).items() if k in declared}
+    t0 = time.perf_counter()
+    status, error = "ok", ""
+    try:
+        papermill.execute_notebook(str(path), str(output), parameters=applied, kernel_name=kernel_name,
+                                   execution_timeout=cell_timeout_s, cwd=str(path.parent), progress_bar=False,
+                                   log_output=False)
+    except PapermillExecutionError as e:
+        status = "failed"
+        error = f"cell {e.exec_count}: {e.ename}: {e.evalue}".strip()
+    except Exception as e:  # noqa: BLE001 - timeouts, dead kernels: any failure fails this notebook only
+        name = type(e).__name__
+        status = "timeout" if "Timeout" in name or "DeadKernel" in name else "failed"
+        error = f"{name}: {e}".splitlines()[0]
+    return {"notebook": path.name, "status": status, "seconds": round(time.perf_counter() - t0, 1),
+            "parameters": applied, "error": error, "output": str(output)}
+
+
+def run_chapters(chapters: list[str] | None = None, out: str | Path | None = None, parameters: dict | None = None,
+                 cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, kernel_name: str = "python3",
+                 progress: bool = True) -> pd.DataFrame:
+    """Execute chapters into ``out`` (default ``runs/<UTC stamp>/``); finish all even when one fails.
+
+    Returns the summary DataFrame (also written to ``out/summary.csv``).
+    """
+    from tqdm.auto import tqdm
+
+    paths = discover(chapters)
+    if not paths:
+        raise ValueError(f"no chapter notebooks found in {notebooks_dir()}")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path(out) if out is not None else runs_dir() / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    bar = tqdm(paths, desc="chapters", unit="nb", disable=not progress, file=sys.stderr)
+    for p in bar:
+        bar.set_postfix_str(p.name)
+        rows.append(run_notebook(p, out / p.name, parameters, cell_timeout_s, kernel_name))
+    df = pd.DataFrame(rows, columns=["notebook", "status", "seconds", "parameters", "error", "output"])
+    df.to_csv(out / "summary.csv", index=False)
+    return df
