@@ -167,7 +167,7 @@ def test_sequence_parallel_activation_memory(checked):
     a = {r["variant"]: r["bytes"] for r in checked["activations"]}
     n = checked["tp"]
     full = a["tp=1 (unsharded)"]
-    # Korthikanti et al. 2022, eq. 4 vs eq. 2: with SP every activation is stored 1/tp per rank
+    # Korthikanti et al. 2022, Table 2: with TP+SP every activation is stored 1/tp per rank
     assert a["TP+SP"] == pytest.approx(full / n, rel=0.1)
     assert a["TP+SP"] < a["TP+SP, no re-gather"] < a["TP"] < full
 

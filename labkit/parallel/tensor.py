@@ -52,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.checks import check_choice, check_divides, divisors, positive_int
-from labkit.commlog import CommLog, all_gather_tensor, reduce_scatter_tensor
+from labkit.commlog import CommLog, all_gather_tensor, bus_factor, reduce_scatter_tensor
 from labkit.models import (
     TOLERANCES,
     Attention,
@@ -379,7 +379,7 @@ def _master_weight(out_features: int, in_features: int, seed: int, std: float) -
 
 
 class ColumnParallelLinear(nn.Module):
-    """``Y = X A^T + b`` with A's output rows split over the group (Shoeybi et al. 2019, eq. 3: ``A = [A_1,
+    """``Y = X A^T + b`` with A's output rows split over the group (Shoeybi et al. 2019, Section 3: ``A = [A_1,
     A_2]``, ``[Y_1, Y_2] = [GeLU(X A_1), GeLU(X A_2)]``).
 
     ``weight`` [out_features/tp, in_features], ``bias`` [out_features/tp]: rank r holds output rows
@@ -439,7 +439,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``Z = Y B^T + b`` with B's input columns split over the group (Shoeybi et al. 2019, eq. 3:
+    """``Z = Y B^T + b`` with B's input columns split over the group (Shoeybi et al. 2019, Section 3:
     ``B = [B_1; B_2]``, ``Z = Y_1 B_1 + Y_2 B_2``), followed by the sum over ranks.
 
     ``weight`` [out_features, in_features/tp] (rank r: input columns ``[r*in/tp, (r+1)*in/tp)``), ``bias``
@@ -736,7 +736,7 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """The MLP as column then row (Shoeybi et al. 2019, eq. 3 / Figure 3a): the nonlinearity acts on each
+    """The MLP as column then row (Shoeybi et al. 2019, Section 3, Figure 3a): the nonlinearity acts on each
     rank's own columns, so no communication sits between the two matmuls.
 
     SwiGLU: ``w_gate``, ``w_up`` column-parallel (one region), ``w_down`` row-parallel; GELU(tanh):
@@ -1096,8 +1096,6 @@ def _full(t) -> torch.Tensor:
 # predictions: collectives per layer and per model
 # ------------------------------------------------------------------------------------------------------
 def _row(where: str, phase: str, op: str, calls: int, nbytes: int, n: int, why: str) -> dict:
-    from labkit.commlog import bus_factor
-
     return {"where": where, "phase": phase, "op": op, "calls": calls, "nbytes": nbytes,
             "bytes_per_rank": calls * nbytes * bus_factor(op, n), "why": why}
 
@@ -1538,7 +1536,11 @@ def count_mlp_pair_collectives(ctx, kind: str, tokens: int, hidden_size: int, ff
 def activation_bytes(ctx, spec: ModelSpec, batch_size: int, seq_len: int, seed: int = 0, group=None) -> list[dict]:
     """Bytes autograd saves for the backward during one forward + loss, per rank (measured with saved-tensor
     hooks; parameters excluded): the unsharded model (tp=1), TP, TP+SP with the re-gather, TP+SP storing the
-    gathered linear inputs. Rows: ``variant``, ``tp``, ``bytes``."""
+    gathered linear inputs. Rows: ``variant``, ``tp``, ``bytes``.
+
+    Prediction to set beside it (Korthikanti et al. 2022, Table 2): per layer sbh(34 + 5as/h) unsharded,
+    sbh(10 + 24/t + 5as/ht) with TP (the norms, residuals and linear-layer inputs stay whole), sbh(34/t +
+    5as/ht) with TP+SP: everything 1/t, so TP+SP ~= (tp=1 bytes) / tp."""
     n = tp_size(group)
     tokens, targets = (t.to(ctx.device) for t in SyntheticLM(spec.vocab_size, seq_len, seed).batch(0, batch_size))
     rows = []
@@ -1591,10 +1593,11 @@ def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = 
     * ``comm_pair``: records of column->row and column->column MLPs;
     * ``field``: the reproduced field cases (:func:`_field_cases`);
     * ``activations``: saved-activation bytes per rank (:func:`activation_bytes`).
-    All ranks return the same (rank 0's numbers suffice). Raises ValueError for bad sizes (before any work).
+    All ranks return the same (rank 0's numbers suffice). Raises ValueError for world_size < 2 or bad sizes
+    (before any work).
     """
     spec, gspec = get_spec(spec_name), get_spec(gelu_spec_name)
-    n = ctx.world_size
+    n = positive_int("world_size", ctx.world_size, minimum=2)  # tp=1 has nothing to split
     for s in (spec, gspec):
         check_tp(s, n, pad_vocab=True, sequence_parallel=True, seq_len=seq_len)
     t0 = time.perf_counter()
