@@ -1731,3 +1731,15 @@ def step_time_rank(ctx, spec_name: str = "lab-tiny-llama", variants=("tp1", "han
                 times[v].append(time.perf_counter() - t0)
     return {"step_s": times, "losses": losses, "tp": n, "spec": spec_name, "batch_size": batch_size,
             "seq_len": seq_len, "steps": steps, "warmup": warmup, "threads": torch.get_num_threads()}
+
+
+def chapter_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = "lab-tiny-gpt", *,
+                 batch_size: int = 2, seq_len: int = 16, steps: int = 2, time_variants=("tp1", "hand", "hand_sp"),
+                 time_batch_size: int = 4, time_seq_len: int = 64, time_steps: int = 3, seed: int = 0) -> dict:
+    """Chapter 05 in one launch (a launch costs seconds on a 2-core machine): ``{"check":``
+    :func:`tp_check_rank` ``, "timed":`` :func:`step_time_rank` ``}``."""
+    check = tp_check_rank(ctx, spec_name, gelu_spec_name, batch_size=batch_size, seq_len=seq_len, steps=steps,
+                          seed=seed)
+    timed = step_time_rank(ctx, spec_name, time_variants, batch_size=time_batch_size, seq_len=time_seq_len,
+                           steps=time_steps, warmup=1, seed=seed)
+    return {"check": check, "timed": timed}
