@@ -1260,30 +1260,6 @@ def comm_vs_theory(records, theory: list[dict]) -> list[dict]:
     return rows
 
 # ------------------------------------------------------------------------------------------------------
-# measuring saved activations
-# ------------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _saved_bytes(exclude: nn.Module | None = None):
-    """TEMPORARY stand-in for labkit.measure (branch issue3), to be replaced when it lands: bytes of the
-    distinct storages autograd saves for backward inside the block (``saved_tensors_hooks``), parameters of
-    ``exclude`` not counted. Yields a dict whose ``"bytes"`` is filled on exit."""
-    params = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude is not None else set()
-    seen: dict[int, int] = {}
-    out = {"bytes": 0}
-
-    def pack(t):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in params:
-            seen[ptr] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield out
-    out["bytes"] = int(sum(seen.values()))
-
-
-# ------------------------------------------------------------------------------------------------------
 # rank functions (launch(fn, world_size, ...))
 # ------------------------------------------------------------------------------------------------------
 def _perturb(model: nn.Module, seed: int = 1) -> nn.Module:
@@ -1534,29 +1510,62 @@ def count_mlp_pair_collectives(ctx, kind: str, tokens: int, hidden_size: int, ff
 
 
 def activation_bytes(ctx, spec: ModelSpec, batch_size: int, seq_len: int, seed: int = 0, group=None) -> list[dict]:
-    """Bytes autograd saves for the backward during one forward + loss, per rank (measured with saved-tensor
-    hooks; parameters excluded): the unsharded model (tp=1), TP, TP+SP with the re-gather, TP+SP storing the
-    gathered linear inputs. Rows: ``variant``, ``tp``, ``bytes``.
+    """Bytes autograd saves for the backward during one forward + loss, per rank, measured with
+    :class:`labkit.measure.SavedActivations` (saved-tensor hooks, each storage once, parameters excluded): the
+    unsharded model (tp=1), TP, TP+SP with the re-gather, TP+SP storing the gathered linear inputs.
+    Rows: ``variant``, ``tp``, ``bytes`` (total), ``per_layer`` (bytes first saved inside each layer),
+    ``outside_layers`` (embedding, final norm, head, loss).
 
     Prediction to set beside it (Korthikanti et al. 2022, Table 2): per layer sbh(34 + 5as/h) unsharded,
     sbh(10 + 24/t + 5as/ht) with TP (the norms, residuals and linear-layer inputs stay whole), sbh(34/t +
     5as/ht) with TP+SP: everything 1/t, so TP+SP ~= (tp=1 bytes) / tp."""
     n = tp_size(group)
     tokens, targets = (t.to(ctx.device) for t in SyntheticLM(spec.vocab_size, seq_len, seed).batch(0, batch_size))
-    rows = []
+    from labkit.measure import SavedActivations
+
+    def row(variant, tp_degree, acts):
+        return {"variant": variant, "tp": tp_degree, "bytes": acts.total_bytes, "per_layer": acts.per_layer,
+                "outside_layers": acts.total_bytes - sum(acts.per_layer)}
+
     ref = build_model(spec, seed, device=ctx.device)
-    with _saved_bytes(ref) as m:
+    with SavedActivations(ref, keep_items=False) as acts:
         loss = lm_loss(ref(tokens), targets)
-    rows.append({"variant": "tp=1 (unsharded)", "tp": 1, "bytes": m["bytes"]})
+    rows = [row("tp=1 (unsharded)", 1, acts)]
     del loss
     for label, sp, regather in (("TP", False, True), ("TP+SP", True, True), ("TP+SP, no re-gather", True, False)):
         tpm = apply_tp(build_model(spec, seed, device=ctx.device), group, sequence_parallel=sp, pad_vocab=True,
                        regather=regather)
-        with _saved_bytes(tpm) as m:
+        with SavedActivations(tpm, keep_items=False) as acts:
             loss = tpm.loss(tpm(tokens), targets)
-        rows.append({"variant": label, "tp": n, "bytes": m["bytes"]})
+        rows.append(row(label, n, acts))
         del loss, tpm
     return rows
+
+
+def activation_vs_theory(rows: list[dict], spec: ModelSpec | str, batch_size: int, seq_len: int) -> list[dict]:
+    """Measured saved-activation bytes (:func:`activation_bytes` rows) beside labkit.memory's prediction for
+    the lab model (``activation_model="lab"``, fp32, CPU kernels; ``ParallelConfig(tp, sequence_parallel)``):
+    per layer and in total (layers + embedding/head/loss items). The prediction assumes SP stores the
+    linear-layer inputs as sequence shards (the re-gather), so "no re-gather" has no prediction (None).
+    Adds ``per_layer_measured``, ``per_layer_predicted``, ``total_predicted``, ``ratio_to_tp1_measured``."""
+    from labkit import memory as mem
+
+    if isinstance(spec, str):
+        spec = get_spec(spec)
+    train = mem.TrainConfig(micro_batch_size=batch_size, seq_len=seq_len, convention="torch-fp32", kernels="cpu")
+    full = next(r["bytes"] for r in rows if r["tp"] == 1)
+    out = []
+    for r in rows:
+        sp = r["variant"].startswith("TP+SP")
+        pred_layer = pred_total = None
+        if "no re-gather" not in r["variant"]:
+            par = mem.ParallelConfig(tp=r["tp"], sequence_parallel=sp)
+            pred_layer = mem.activation_bytes_per_layer(spec, train, par)
+            pred_total = spec.n_layers * pred_layer + sum(i.nbytes for i in mem.edge_activation_items(spec, train, par))
+        out.append({"variant": r["variant"], "tp": r["tp"], "per_layer_measured": r["per_layer"][0],
+                    "per_layer_predicted": pred_layer, "total_measured": r["bytes"], "total_predicted": pred_total,
+                    "ratio_to_tp1_measured": r["bytes"] / full})
+    return out
 
 
 def _dtensor_parity(ctx, spec: ModelSpec, sp: bool, batch_size: int, seq_len: int, seed: int) -> list:
