@@ -911,5 +911,117 @@ def _assemble(job: dict, per_rank: list[dict], pp: int) -> PipelineRun:
     )
 
 
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
+# ------------------------------------------------------------------------------------------------------
+# choosing stage boundaries from measured times
+# ------------------------------------------------------------------------------------------------------
+def measure_layer_costs(spec, micro_batch_size: int = 2, seq_len: int = 32, *, repeats: int = 5,
+                        seed: int = 0, threads: int = 1) -> list[float]:
+    """Measured forward + backward seconds of each layer for one micro-batch, in this process (the minimum
+    of ``repeats`` after one warm-up call: other processes on the cores only ever add time), with the
+    embedding's time added to the first layer and the final norm + output head (and loss) added to the
+    last: the per-layer costs :func:`labkit.simulate.balance_layers` splits.
+
+    Runs on ``threads`` torch threads (default 1, what a rank gets when ranks share the cores; restored
+    afterwards). ``spec``: a ModelSpec or preset name. Raises ValueError for bad sizes.
+    """
+    from labkit.models import build_model
+    from labkit.spec import get_spec
+
+    spec = get_spec(spec) if isinstance(spec, str) else spec
+    micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
+    seq_len = positive_int("seq_len", seq_len)
+    repeats = positive_int("repeats", repeats)
+    before = torch.get_num_threads()
+    torch.set_num_threads(positive_int("threads", threads))
+    try:
+        return _layer_costs(build_model(spec, seed=seed), spec, micro_batch_size, seq_len, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _layer_costs(model, spec, micro_batch_size: int, seq_len: int, repeats: int) -> list[float]:
+    tokens = torch.randint(0, spec.vocab_size, (micro_batch_size, seq_len))
+
+    def timed(fn) -> float:
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts[1:])
+
+    def embed_fb():
+        model.embed_tokens(tokens).sum().backward()
+
+    h = model.embed_tokens(tokens).detach()
+    costs = []
+    for layer in model.layers:
+        x = h.clone().requires_grad_(True)
+        costs.append(timed(lambda layer=layer, x=x: layer(x).sum().backward()))
+
+    def head_fb():
+        lm_loss_local(model.head(h.clone().requires_grad_(True))).backward()
+
+    def lm_loss_local(logits):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+
+    costs[0] += timed(embed_fb)
+    costs[-1] += timed(head_fb)
+    model.zero_grad(set_to_none=True)
+    return costs
+
+
+# ------------------------------------------------------------------------------------------------------
+# views for chapter 06 (plotly imported lazily)
+# ------------------------------------------------------------------------------------------------------
+def gantt(result, step: int = 0, title: str | None = None):
+    """Per-rank Gantt of one step: a :class:`PipelineRun` (measured; its title names the compute mode) or a
+    :class:`labkit.simulate.SimResult` (predicted). Bars are coloured by op and labelled by micro-batch."""
+    from labkit.plots import timeline_figure
+
+    if isinstance(result, sim.SimResult):
+        s = result.schedule
+        df = result.to_frame(step=step)
+        vs = f" v={s.v}" if s.v > 1 else ""
+        title = title or (f"{s.name} pp={s.p} m={s.m}{vs} — simulated (bubble "
+                          f"{result.bubble_fraction:.3f} of total time)")
+    else:
+        df = result.timeline[result.timeline["step"] == step]
+        title = title or f"{result.title()}; bubble {result.steps['bubble_fraction'].iloc[step]:.3f}"
+    return timeline_figure(df, color_by="name", label="microbatch", title=title)
+
+
+def bubble_figure(runs: Sequence[PipelineRun], title: str | None = None):
+    """Bubble fraction vs n_microbatches per schedule: measured (markers), simulator and formula (lines)."""
+    import plotly.graph_objects as go
+
+    rows = pd.DataFrame([r.summary() for r in runs]).sort_values("n_microbatches")
+    fig = go.Figure()
+    for name, g in rows.groupby("schedule", sort=False):
+        fig.add_trace(go.Scatter(x=g["n_microbatches"], y=g["bubble_measured"], mode="markers",
+                                 marker_size=10, name=f"{name} measured"))
+        fig.add_trace(go.Scatter(x=g["n_microbatches"], y=g["bubble_simulated"], mode="lines",
+                                 name=f"{name} simulator (predicted)"))
+        fig.add_trace(go.Scatter(x=g["n_microbatches"], y=g["bubble_formula"], mode="lines",
+                                 line_dash="dot", name=f"{name} formula (predicted)"))
+    compute = ", ".join(sorted(rows["compute"].unique()))
+    fig.update_layout(title=title or f"Bubble fraction (fraction of total time) vs micro-batches — "
+                                     f"measured ({compute} compute) beside predictions",
+                      xaxis_title="n_microbatches (m)", yaxis_title="bubble_fraction", xaxis_type="log")
+    return fig
+
+
+def memory_figure(runs: Sequence[PipelineRun], title: str | None = None):
+    """Peak saved activations per rank (MB = 1e6 bytes, measured by saved_tensors_hooks) for each run."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for r in runs:
+        if r.peak_saved_bytes[0] is None:
+            continue
+        fig.add_trace(go.Bar(x=[f"rank {i}" for i in range(r.schedule.p)],
+                             y=[b / 1e6 for b in r.peak_saved_bytes], name=r.job["label"],
+                             text=[f"{n} in flight" for n in r.peak_inflight], textposition="outside"))
+    fig.update_layout(title=title or "Peak saved activations per rank — measured (real compute)",
+                      yaxis_title="MB (1e6 bytes)", barmode="group")
+    return fig
