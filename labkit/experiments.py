@@ -9,6 +9,7 @@ import os
 import socket
 import time
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 
@@ -108,3 +109,25 @@ def straggler_all_reduce(ctx, work_ms: float = 40.0, steps: int = 3) -> dict:
         with ctx.timer("all_reduce", "comm", step=step, nbytes=t.numel() * t.element_size()):
             dist.all_reduce(t)
     return {"rank": ctx.rank, "reps": reps, "compute_ns": compute_ns}
+
+
+def straggler_table(timeline) -> pd.DataFrame:
+    """Predicted vs measured collective wait from a :func:`straggler_all_reduce` timeline.
+
+    Per (step, rank): ``compute_end_ms`` (measured, from the step's earliest compute start),
+    ``predicted_wait_ms`` = latest compute end of the step - this rank's compute end (the collective cannot
+    finish before the last rank arrives; communication itself taken as free), ``measured_ms`` (the
+    all_reduce event's duration) and ``gap_ms`` = measured - predicted (the collective's own cost plus noise).
+    """
+
+    df = timeline
+    work = df[df["name"] == "work"].set_index(["step", "rank"])
+    comm = df[df["name"] == "all_reduce"].set_index(["step", "rank"])
+    out = pd.DataFrame(index=work.index)
+    origin = work.groupby("step")["start_ns"].transform("min")
+    out["compute_end_ms"] = (work["end_ns"] - origin) / 1e6
+    latest = work.groupby("step")["end_ns"].transform("max")
+    out["predicted_wait_ms"] = (latest - work["end_ns"]) / 1e6
+    out["measured_ms"] = (comm["end_ns"] - comm["start_ns"]) / 1e6
+    out["gap_ms"] = out["measured_ms"] - out["predicted_wait_ms"]
+    return out.reset_index().sort_values(["step", "rank"]).reset_index(drop=True)

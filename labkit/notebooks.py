@@ -74,6 +74,7 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
     from papermill.exceptions import PapermillExecutionError
 
     path, output = Path(path), Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
     declared = declared_parameters(path)
     applied = {k: v for k, v in (parameters or {}).items() if k in declared}
     t0 = time.perf_counter()

@@ -76,11 +76,14 @@ def _is_comm_error(exc: BaseException) -> bool:
 
 
 def _error_record(rank: int, exc: BaseException, where: str) -> dict:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # the rank's own frames are the story; the worker's call into them is noise
     return {
         "rank": rank,
         "type": type(exc).__name__,
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
         "where": where,
         "comm": _is_comm_error(exc),
         "time_ns": time.time_ns(),

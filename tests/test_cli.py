@@ -1,0 +1,49 @@
+"""The labkit CLI: bad input is one line on stderr and exit 2; doctor probes collectives for real."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from labkit.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["doctor", "--world-size", "0"], "--world-size=0"),
+    (["run", "--chapters", "99"], "chapter '99' not found"),
+    (["run", "-p", "world_size"], "name=value"),
+    (["run", "--cell-timeout", "-1"], "--cell-timeout"),
+    (["doctor", "--bogus"], "unrecognized arguments"),
+    (["nosuchcommand"], "invalid choice"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle, capsys):
+    with pytest.raises(SystemExit) as info:
+        rc = main(args)
+        raise SystemExit(rc)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_no_command_prints_help_and_exit_2():
+    proc = run_cli()
+    assert proc.returncode == 2 and "COMMAND" in proc.stdout
+
+
+def test_doctor_probes_collectives():
+    proc = run_cli("doctor", "--world-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"):
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith(op)]
+        assert line and line[0].split()[1:] == ["ok", "ok"], proc.stdout
+    assert "torch" in proc.stdout and "backends" in proc.stdout

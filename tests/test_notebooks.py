@@ -1,0 +1,95 @@
+"""Chapter notebooks: stored clean, shaped as DESIGN.md says, and executed headless (papermill).
+
+The runner's own behaviour (timeouts, failures, parameters, a rank function defined in a notebook cell) is
+checked on small notebooks written here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+
+from labkit import notebooks
+from labkit.paths import notebooks_dir
+
+CHAPTERS = notebooks.discover()
+
+
+def _write(path, *sources, params=None):
+    nb = nbformat.v4.new_notebook()
+    if params is not None:
+        cell = nbformat.v4.new_code_cell(params)
+        cell.metadata["tags"] = ["parameters"]
+        nb.cells.append(cell)
+    nb.cells += [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_there_are_chapters():
+    assert CHAPTERS and CHAPTERS[0].name == "00_getting_started.ipynb"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
+def test_chapter_stored_clean_and_shaped(path):
+    raw = json.loads(path.read_text())
+    nb = nbformat.reads(path.read_text(), as_version=4)
+    for cell in raw["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs") == [] and cell.get("execution_count") is None, "strip outputs before commit"
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    assert nb.cells[0].cell_type == "markdown" and "Objectives" in nb.cells[0].source
+    params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1, "exactly one cell tagged 'parameters'"
+    assert "world_size" in notebooks.declared_parameters(path)
+    text = "\n".join(c.source for c in nb.cells)
+    assert "assert " in text, "a chapter checks its run with asserts"
+    assert "Exercise" in text, "a chapter ends with a self-checking exercise"
+
+
+def test_runner_timeout_failure_parameters_and_notebook_defined_rank_fn(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _write(src / "00_launch.ipynb",
+           "import torch, torch.distributed as dist\nfrom labkit import launch\n"
+           "def cell_fn(ctx, k):\n    t = torch.tensor([float(ctx.rank + k)])\n    dist.all_reduce(t)\n"
+           "    return t.item()\n",
+           "res = launch(cell_fn, world_size, 10)\nassert list(res) == [21.0, 21.0], res\n",
+           params="world_size = 2")
+    _write(src / "01_hang.ipynb", "import time\ntime.sleep(60)")
+    _write(src / "02_fail.ipynb", "raise ZeroDivisionError('chapter broke')")
+    _write(src / "03_params.ipynb", "assert world_size == 3 and label == 'x', (world_size, label)",
+           params="world_size = 2\nlabel = 'y'")
+    out = tmp_path / "out"
+    rows = {}
+    for path in notebooks.discover(folder=src):
+        params = {"world_size": 3, "label": "x", "unused": 1} if path.name.startswith("03") else None
+        timeout = 5 if "hang" in path.name else 180  # generous where nothing should hang (slow shared CI)
+        row = notebooks.run_notebook(path, out / path.name, params, cell_timeout_s=timeout)
+        rows[path.name] = row
+    assert rows["00_launch.ipynb"]["status"] == "ok", rows["00_launch.ipynb"]
+    assert rows["01_hang.ipynb"]["status"] == "timeout" and rows["01_hang.ipynb"]["seconds"] < 60
+    assert rows["02_fail.ipynb"]["status"] == "failed" and "chapter broke" in rows["02_fail.ipynb"]["error"]
+    assert rows["03_params.ipynb"]["status"] == "ok", rows["03_params.ipynb"]
+    assert rows["03_params.ipynb"]["parameters"] == {"world_size": 3, "label": "x"}  # only declared ones
+    assert (out / "00_launch.ipynb").exists()
+
+
+def test_discover_and_parameters_errors(tmp_path):
+    with pytest.raises(ValueError, match="chapter '7' not found"):
+        notebooks.discover(["7"], folder=tmp_path)
+    assert notebooks.parse_parameters(["world_size=4", "fast=true", "name=abc"]) == {
+        "world_size": 4, "fast": True, "name": "abc"}
+    with pytest.raises(ValueError, match="name=value"):
+        notebooks.parse_parameters(["4"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
+def test_chapter_executes_with_defaults(path, tmp_path):
+    row = notebooks.run_notebook(path, tmp_path / path.name, cell_timeout_s=300)
+    assert row["status"] == "ok", f"{path.name}: {row['error']} (executed copy: {row['output']})"
+    assert notebooks_dir() == path.parent
