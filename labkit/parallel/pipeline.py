@@ -805,6 +805,12 @@ class PipelineRun:
         return float(self.steps["bubble_fraction"].median())
 
     @property
+    def bubble_measured_min(self) -> float:
+        """Smallest measured bubble fraction over the timed steps: the least-disturbed step (other processes
+        taking a core only ever add idle time)."""
+        return float(self.steps["bubble_fraction"].min())
+
+    @property
     def step_s(self) -> float:
         """Median measured step time (s), slowest rank."""
         return float(self.steps["step_s"].median())
@@ -820,7 +826,8 @@ class PipelineRun:
         j = self.job
         return {"impl": j["impl"], "schedule": j["schedule"], "compute": j["compute"], "pp": self.schedule.p,
                 "n_microbatches": self.schedule.m, "v": self.schedule.v,
-                "bubble_measured": self.bubble_measured, "bubble_simulated": self.predicted.bubble_fraction,
+                "bubble_measured": self.bubble_measured, "bubble_measured_min": self.bubble_measured_min,
+                "bubble_simulated": self.predicted.bubble_fraction,
                 "bubble_simulated_measured_costs": self.predicted_measured.bubble_fraction,
                 "hop_latency_s_measured": self.predicted_measured.costs.p2p_s,
                 "bubble_formula": self.formula, "step_s_measured": self.step_s,
