@@ -28,7 +28,9 @@ Measured bubble (what :func:`bubble_from_timeline` computes per step, fraction o
 busy_r = time rank r spends in F/B/W; makespan = first F start to last F/B/W end over all ranks.
 
 Use :func:`run_pipeline` (one configuration) or :func:`run_pipelines` (several in one launch); both check
-their arguments before anything starts (ValueError naming the fix).
+their arguments before anything starts (ValueError naming the fix). The hand-written runner is gloo-only:
+it posts every ``irecv`` of a step up front, which gloo matches by tag and completes asynchronously but
+NCCL's in-order p2p streams would serialise into a deadlock; on NCCL use ``impl="torch"``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import statistics
 import time
 import types
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -573,7 +575,7 @@ def _run_labkit(ctx, job: dict, job_start: int) -> dict:
            "peak_inflight": peak_inflight, "peak_saved_bytes": peak_bytes if real else None,
            "handles": (p2p.created, p2p.waited), "order": order[-len(my_actions):], "rank": rank}
     if real and job.get("return_grads"):
-        res["grads"] = _named_grads(model, stages, sched, rank)
+        res["grads"] = _named_grads(model, stages)
     return res
 
 
@@ -609,10 +611,11 @@ def _sync_tied(ctx, sched: Schedule, stages: dict, p2p: P2P, tags: dict, tied: b
     ctx.timeline.add("tied_grad", "comm", t0, tl.now_ns(), nbytes=g.numel() * g.element_size(), **tags)
 
 
-def _named_grads(model: nn.Module, stages: dict, sched: Schedule, rank: int) -> dict[str, torch.Tensor]:
+def _named_grads(model: nn.Module, stages: dict) -> dict[str, torch.Tensor]:
+    """Gradients of this rank's parameters under their names in the full model (``layers.3.attn.wq.weight``).
+    A tied embedding's head copy is left out: after :func:`_sync_tied` it equals ``embed.weight``'s."""
     mine = {id(p) for s in stages.values() for p in s.parameters()}
-    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if id(p) in mine and p.grad is not None}
-    return out
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if id(p) in mine and p.grad is not None}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -683,7 +686,7 @@ def _run_torch(ctx, job: dict, job_start: int) -> dict:
     res = {"step_s": step_s[job["warmup_steps"]:], "losses": losses[job["warmup_steps"]:], "peak_inflight": None,
            "peak_saved_bytes": None, "handles": None, "order": list(order), "rank": rank}
     if job.get("return_grads"):
-        res["grads"] = _named_grads(model, stages, sched, rank)
+        res["grads"] = _named_grads(model, stages)
     return res
 
 
@@ -697,11 +700,9 @@ def _instrument_torch_stage(ctx, st, stage: int, order: list, cur_step: dict) ->
 
         def timed(*args, **kwargs):
             mbi = args[0] if args else kwargs.get(name)
-            full = kwargs.get("full_backward", True)
             with ctx.timer(op, "compute", step=cur_step["step"], microbatch=int(mbi), stage=stage):
                 result = orig(*args, **kwargs)
             order.append(Action(op, int(mbi), stage))
-            del full
             return result
 
         setattr(st, attr, timed)
@@ -797,7 +798,6 @@ class PipelineRun:
     grads: dict
     order: tuple
     handles: tuple
-    extra: dict = field(default_factory=dict)
 
     @property
     def bubble_measured(self) -> float:
@@ -837,7 +837,7 @@ class PipelineRun:
                 "peak_inflight_simulated": max(self.predicted.peak_inflight)}
 
 
-def run_pipelines(jobs: Sequence[dict], pp: int, *, timeout_s: float = 120.0, backend: str = "auto",
+def run_pipelines(jobs: Sequence[dict], pp: int, *, timeout_s: float = 120.0, backend: str = "gloo",
                   echo: bool = True) -> list[PipelineRun]:
     """Run several pipeline configurations in ONE launch of ``pp`` ranks (a launch costs seconds).
 
@@ -846,19 +846,26 @@ def run_pipelines(jobs: Sequence[dict], pp: int, *, timeout_s: float = 120.0, ba
     ``steps``, ``warmup_steps``, ``lr``, ``seed``, ``data_seed``, ``fixed_nbytes``, ``return_grads``,
     ``label``). Every job is checked before the launch (ValueError naming the fix); ``timeout_s`` bounds the
     whole launch (a hang ends in :class:`labkit.launcher.LaunchTimeout` with every rank's stack).
+    ``backend`` defaults to gloo: the hand-written runner is gloo-only (NCCL: ``impl="torch"`` jobs only).
     """
-    from labkit.launcher import launch
+    from labkit.launcher import launch, resolve_backend
 
     pp = positive_int("pp", pp)
     if not jobs:
         raise ValueError("jobs is empty; give at least one pipeline configuration")
     checked = [check_job(j, pp) for j in jobs]
+    if resolve_backend(backend, pp) == "nccl" and any(j["impl"] == "labkit" for j in checked):
+        # NCCL matches p2p in issue order on one stream per peer pair, so posting every irecv up front
+        # (safe on gloo, which matches by tag and completes asynchronously) would block the sends behind them
+        raise ValueError("impl='labkit' runs on gloo only (it posts every irecv of a step up front, which "
+                         "NCCL's in-order p2p would serialise into a deadlock); use backend='gloo' or "
+                         "impl='torch' on NCCL")
     res = launch(pipeline_rank, pp, checked, timeout_s=timeout_s, backend=backend, echo=echo)
     return [_assemble(job, [r[i] for r in res], pp) for i, job in enumerate(checked)]
 
 
 def run_pipeline(schedule: str = "1f1b", pp: int = 2, n_microbatches: int | None = None, v: int | None = None, *,
-                 timeout_s: float = 120.0, backend: str = "auto", echo: bool = True, **options) -> PipelineRun:
+                 timeout_s: float = 120.0, backend: str = "gloo", echo: bool = True, **options) -> PipelineRun:
     """Run one pipeline configuration on ``pp`` ranks and return its :class:`PipelineRun`.
 
     Args:
@@ -874,7 +881,7 @@ def run_pipeline(schedule: str = "1f1b", pp: int = 2, n_microbatches: int | None
         return_grads: also return the last step's gradients by parameter name.
 
     Raises:
-        ValueError: any bad argument, before launching (see :func:`check_job`).
+        ValueError: any bad argument, before launching (see :func:`check_job`), or ``impl="labkit"`` on NCCL.
         labkit.launcher.RankFailed / LaunchTimeout: a rank failed or the run hung past ``timeout_s``.
     """
     job = {"schedule": schedule, **options}
