@@ -74,6 +74,14 @@ def test_bad_options(no_launch, kwargs, match):
         pl.run_pipeline(**kwargs)
 
 
+def test_hand_runner_refused_on_nccl(no_launch, monkeypatch):
+    import labkit.launcher
+
+    monkeypatch.setattr(labkit.launcher, "resolve_backend", lambda backend, n: "nccl")
+    with pytest.raises(ValueError, match="gloo only.*impl='torch'"):
+        pl.run_pipeline("1f1b", 2, 4, backend="nccl")
+
+
 def test_stage_layer_counts():
     assert pl.stage_layer_counts(8, 4) == (2, 2, 2, 2)
     assert pl.stage_layer_counts(8, 2, (5, 3)) == (5, 3)
