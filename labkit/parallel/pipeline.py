@@ -396,7 +396,8 @@ def pipeline_rank(ctx, jobs: Sequence[dict]) -> list[dict]:
     ``world_size = pp``. Returns one dict per job: ``events`` (this rank's timeline events of the job),
     ``step_s`` (wall time of each timed step on this rank), ``losses`` (last stage's rank, real compute),
     ``peak_inflight`` (most (stage, micro-batch) activation sets held at once), ``peak_saved_bytes``
-    (real compute: autograd's saved tensors of those sets, excluding parameters), ``handles``
+    (real compute: autograd's saved tensors of those sets, excluding parameters; for ZB-H1 they are
+    counted until W, an upper bound, since B frees the graph and only the queued matmuls' inputs stay), ``handles``
     (p2p handles created / waited), ``order`` (the compute actions as executed), ``grads`` (when asked)."""
     out = []
     for job in jobs:
