@@ -22,6 +22,8 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from labkit import costmodel
+from labkit.checks import positive_int
 from labkit.timeline import now_ns
 
 #: the ops a CommLog records, by torch.distributed function name -> canonical op name
@@ -46,22 +48,18 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", 
 
 
 def bus_factor(op: str, n: int) -> float:
-    """Bytes one rank sends per byte of S with the ring algorithm on n ranks (nccl-tests busbw factor).
+    """Bytes one rank sends per byte of S with the ring algorithm on n ranks: the nccl-tests busbw factor
+    (:func:`labkit.costmodel.bus_factor`: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all
+    (n-1)/n; broadcast 1), with a point-to-point pair split into its sides: send 1, recv 0.
 
-    all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, send 1; recv 0.
     Raises ValueError for an unknown op or n < 1.
     """
-    if n < 1:
-        raise ValueError(f"n={n} must be >= 1")
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op in ("broadcast", "send"):
-        return 1.0
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not valid; choose one of: {', '.join(OPS)}")
     if op == "recv":
+        positive_int("n", n)
         return 0.0
-    raise ValueError(f"op={op!r} is not valid; choose one of: {', '.join(OPS)}")
+    return costmodel.bus_factor("send_recv" if op == "send" else op, n)
 
 
 def _nbytes(t) -> int:

@@ -1,0 +1,142 @@
+"""labkit.measure: measured memory equals labkit.memory's prediction on the lab's model.
+
+Model states (parameters, gradients, AdamW state) must match to the byte; saved activations within 5 % (the
+issue's bar) — and, on torch 2.13 on CPU, to the byte (the lab's derivation in labkit.memory.activation_items).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from labkit import launch
+from labkit import memory as mem
+from labkit.measure import SavedActivations, cuda_memory, measure_training_rank, model_state_bytes, tensor_bytes
+
+CPU_CTX = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), sync=lambda: None, barrier=lambda: None)
+TORCH_213 = torch.__version__.startswith("2.13")
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied: counted once
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_model_state_bytes_counts_tied_weights_once_and_optimizer_state():
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    n = 10 * 4 + 2 * (4 * 4 + 4)
+    got = model_state_bytes(model, opt)
+    assert got == {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n + 4 * 5}  # 5 tensors' steps
+
+
+def test_saved_activations_dedupe_and_exclusions():
+    model = Tied()
+    x = torch.tensor([[1, 2, 3]])
+    with SavedActivations(model) as acts:
+        model(x).sum()
+    tab = acts.table()
+    # weights saved by the linear layers are model state, never activations
+    assert tab[tab.model_state].shape[0] >= 3
+    assert acts.by_label["first_stage"] == x.numel() * 8  # the token ids, int64
+    # layer i saves its input (4 floats x 3 tokens) and tanh's output; layer 1's input is layer 0's tanh output,
+    # already counted in layer 0: the storage is counted once, where it was first saved
+    assert acts.per_layer == [2 * 12 * 4, 12 * 4]
+    assert acts.by_label.get("last_stage", 0) == 0  # the head's input was saved (and counted) by layer 1's tanh
+
+
+def test_a_view_counts_its_whole_storage():
+    big = torch.randn(100, 8, requires_grad=True)
+    model = nn.Module()
+    with SavedActivations(model, layers=[]) as acts:
+        y = big * 2
+        (y[:2] * y[:2]).sum()  # mul saves two views of y's storage: counted once, all 100 x 8 floats
+    assert acts.total_bytes == 100 * 8 * 4
+
+
+def test_cuda_memory_is_none_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert cuda_memory() is None and cuda_memory("cpu") is None
+
+
+CONFIGS = [
+    ("lab-tiny-llama", "sdpa", None, "float32"),
+    ("lab-tiny-llama", "eager", 0.1, "float32"),
+    ("lab-tiny-llama", "sdpa", None, "bfloat16"),
+    ("lab-tiny-gpt", "sdpa", None, "float32"),
+    ("lab-tiny-gpt", "sdpa", 0.1, "float32"),  # SDPA with dropout on CPU: the math fallback
+    ("lab-tiny-gpt", "eager", 0.1, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("model, attention, dropout, dtype", CONFIGS)
+def test_single_rank_measured_vs_predicted(model, attention, dropout, dtype):
+    r = measure_training_rank(CPU_CTX, model, micro_batch_size=2, seq_len=40, attention=attention, dropout=dropout,
+                              dtype=dtype)[0]
+    me, pr = r["measured"], r["predicted"]
+    for cat in ("parameters", "gradients", "optimizer"):
+        assert me[cat] == pr[cat], (cat, me[cat], pr[cat])
+    assert me["activations"] == pytest.approx(pr["activations"], rel=0.05)
+    for layer in r["activations_per_layer"]:
+        assert layer == pytest.approx(r["predicted_per_layer"], rel=0.05)
+    if TORCH_213:  # the derivation is exact for the torch it was written against
+        assert me["activations"] == pr["activations"]
+        assert set(r["activations_per_layer"]) == {r["predicted_per_layer"]}
+
+
+def test_pipeline_and_recompute_do_not_change_the_per_layer_formula():
+    spec = mem.get_spec("lab-tiny-llama")
+    train = mem.TrainConfig(micro_batch_size=2, seq_len=40, convention="torch-fp32", kernels="cpu")
+    per_layer = mem.activation_bytes_per_layer(spec, train)
+    r = measure_training_rank(CPU_CTX, "lab-tiny-llama", micro_batch_size=2, seq_len=40)[0]
+    assert r["predicted_per_layer"] == per_layer
+    full = mem.activation_bytes_per_layer(spec, mem.TrainConfig(micro_batch_size=2, seq_len=40, recompute="full",
+                                                                convention="torch-fp32", kernels="cpu"))
+    assert full == 2 * 40 * 64 * 4  # only the layer input is kept
+
+
+def test_distributed_ddp_and_fsdp2_on_gloo():
+    """One launch, two ranks: the single-rank reference, DDP (replicated) and FSDP2 (ZeRO-3) per rank."""
+    res = launch(measure_training_rank, 2, "lab-tiny-llama", micro_batch_size=2, seq_len=32,
+                 wraps=("none", "ddp", "fsdp2"), backend="gloo", echo=False, timeout_s=240)
+    assert len(res) == 2
+    full = None
+    for rank_results in res:
+        by_wrap = {r["wrap"]: r for r in rank_results}
+        for wrap, r in by_wrap.items():
+            me, pr = r["measured"], r["predicted"]
+            for cat in ("parameters", "gradients", "optimizer"):
+                assert me[cat] == pr[cat], (wrap, cat, me[cat], pr[cat])
+            assert me["activations"] == pytest.approx(pr["activations"], rel=0.05), wrap
+        full = by_wrap["none"]["measured"]
+        assert by_wrap["ddp"]["measured"] == full  # DDP replicates everything
+        z3 = by_wrap["fsdp2"]["measured"]
+        for cat in ("parameters", "gradients"):
+            assert z3[cat] * 2 == full[cat]  # sharded over 2 ranks (every dim 0 divides by 2)
+        n_tensors = len(mem.param_tensors(mem.get_spec("lab-tiny-llama")))
+        assert z3["optimizer"] == (full["optimizer"] - 4 * n_tensors) // 2 + 4 * n_tensors  # steps stay per tensor
+        assert z3["activations"] == full["activations"]  # ZeRO does not shard activations
+    assert res[0][0]["loss"] == pytest.approx(res[0][1]["loss"])  # none vs ddp: the same first-step loss
+
+
+def test_tensor_bytes_of_a_dtensor_is_its_local_shard():
+    from torch.distributed.tensor import DTensor
+
+    assert tensor_bytes(torch.zeros(3, 5)) == 60
+    assert hasattr(DTensor, "to_local")  # the distributed case is checked in test_distributed_ddp_and_fsdp2_on_gloo
