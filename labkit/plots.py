@@ -237,14 +237,14 @@ def serving_latency_figure(summary: pd.DataFrame, title: str | None = None) -> g
 
 
 def serving_split_figure(summary: pd.DataFrame, title: str | None = None) -> go.Figure:
-    """Stacked bars per (mode, concurrency): *measured* prefill and decode compute time (summed over serving
-    instances), with the all-reduce time inside them (TP) as a marker."""
+    """Stacked bars per (mode, concurrency): *measured* prefill and decode time (summed over serving
+    instances), with the time inside collectives (TP) as a marker."""
     x = [f"{m} c={c}" for m, c in zip(summary["mode"], summary["concurrency"])]
     fig = go.Figure()
     fig.add_trace(go.Bar(x=x, y=summary["prefill_s"], name="prefill (measured)",
                          text=[f"{f:.0%}" for f in summary["prefill_fraction"]], textposition="inside"))
     fig.add_trace(go.Bar(x=x, y=summary["decode_s"], name="decode (measured)"))
-    fig.add_trace(go.Scatter(x=x, y=summary["allreduce_s"], mode="markers", name="of which all-reduce (measured)",
+    fig.add_trace(go.Scatter(x=x, y=summary["comm_s"], mode="markers", name="of which collectives (measured)",
                              marker={"symbol": "diamond", "size": 11, "color": "black"}))
     fig.update_layout(barmode="stack", title=title or "where serving time goes: prefill vs decode")
     fig.update_yaxes(title="seconds (sum over serving instances)")

@@ -12,12 +12,13 @@ Measured (run side, inside ranks launched by :func:`labkit.launch`):
   reserved at admission and freed when the request finishes or is cancelled. :meth:`Engine.live_kv_bytes`
   *measures* the bytes of the cache tensors still alive (weak references to every cache ever allocated: a
   leaked reference keeps its bytes counted); :func:`labkit.memory.kv_cache_bytes` *predicts* them.
-* Tensor parallelism for inference, written here (``labkit.parallel.tensor`` had not landed on main when this
-  was written): the attention heads (query and key/value heads together, so grouped-query attention keeps
-  its groups) and the MLP's hidden units are split over the TP group; the output projections ``wo`` and
-  ``w_down``/``fc_out`` become row-parallel and all-reduce their partial sums (Shoeybi et al. 2019,
-  "Megatron-LM", Sec. 3, Fig. 3: one all-reduce after attention and one after the MLP per layer). Embedding
-  and output head are replicated. Every rank keeps ``n_kv_heads/tp`` heads of the cache.
+* Tensor parallelism for inference with :func:`labkit.parallel.tensor.apply_tp` (the same model the training
+  chapter splits): attention heads (query and key/value heads together, so grouped-query attention keeps its
+  groups) and MLP hidden units column/row-parallel, one all-reduce after attention and one after the MLP
+  per layer (Shoeybi et al. 2019, "Megatron-LM", Sec. 3, Fig. 3), a vocabulary-parallel embedding (one more
+  all-reduce) and output layer (its logits all-gathered to sample). The decode loop here only reads the
+  layers' projections, so the whole and the split model run the same code. Every rank keeps
+  ``n_kv_heads/tp`` heads of the cache.
 * Metrics per request: TTFT (time to first token: queueing + prefill, from the request's arrival), TPS
   (decode tokens per second of that request, after its first token), end-to-end time; per run: p50/p95 of
   both (the p95 of TPS is the slow tail: the rate 95 % of requests reach), aggregate tokens/s, prefill vs
@@ -46,8 +47,6 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from labkit import memory as mem
 from labkit.checks import check_choice, check_divides, positive_float, positive_int
@@ -104,87 +103,59 @@ def _check_workload(spec: ModelSpec, requests: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
-# tensor parallelism for inference (minimal, no autograd)
+# tensor parallelism for inference: labkit.parallel.tensor
 # ------------------------------------------------------------------------------------------------------
-class CommClock:
-    """Accumulated all-reduce time (ns, measured) and call count of one engine."""
-
-    def __init__(self):
-        self.ns = 0
-        self.calls = 0
-
-
-class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_i @ W_i^T) + b``: this rank's block of input columns of a linear layer; the partial
-    products are summed over ``group`` (Shoeybi et al. 2019, Sec. 3). x [..., in/tp] -> y [..., out]."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, clock: CommClock):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.group = group
-        self.clock = clock
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        t0 = now_ns()
-        dist.all_reduce(y, group=self.group)
-        self.clock.ns += now_ns() - t0
-        self.clock.calls += 1
-        return y if self.bias is None else y + self.bias
-
-
-def _keep_rows(lin: nn.Linear, start: int, stop: int) -> None:
-    """Column-parallel: keep output features start..stop of ``lin`` (and its bias)."""
-    lin.weight = nn.Parameter(lin.weight.data[start:stop].clone(), requires_grad=False)
-    if lin.bias is not None:
-        lin.bias = nn.Parameter(lin.bias.data[start:stop].clone(), requires_grad=False)
-    lin.out_features = stop - start
-
-
-def _row_parallel(lin: nn.Linear, start: int, stop: int, group, clock: CommClock) -> RowParallelLinear:
-    w = lin.weight.data[:, start:stop].clone()
-    b = None if lin.bias is None else lin.bias.data.clone()
-    return RowParallelLinear(w, b, group, clock)
-
-
 def check_tp(spec: ModelSpec, tp: int) -> None:
-    """Raise ValueError unless ``tp`` divides n_heads, n_kv_heads and ffn_hidden_size (valid tp listed)."""
-    check_divides("tp", tp, "n_kv_heads", spec.n_kv_heads, hint=f"model {spec.name!r}")
-    check_divides("tp", tp, "n_heads", spec.n_heads, hint=f"model {spec.name!r}")
-    check_divides("tp", tp, "ffn_hidden_size", spec.ffn_hidden_size, hint=f"model {spec.name!r}")
+    """Raise ValueError unless ``tp`` can split ``spec`` for serving: :func:`labkit.parallel.tensor.check_tp`
+    (heads, ffn_hidden_size, vocabulary), and tp must divide n_kv_heads (every rank keeps its own kv heads'
+    cache, as :func:`labkit.memory.kv_cache_bytes` counts it; replicated kv heads are not served here)."""
+    from labkit.parallel.tensor import check_tp as tensor_check_tp
+
+    tensor_check_tp(spec, tp)
+    check_divides("tp", tp, "n_kv_heads", spec.n_kv_heads,
+                  hint=f"model {spec.name!r}: the KV cache is split by kv heads")
 
 
-def shard_tp(model: Transformer, group, clock: CommClock | None = None) -> Transformer:
-    """Split ``model`` (the full weights, identical on every rank) in place over the ranks of ``group``:
-    wq/wk/wv and the MLP's input projections keep this rank's heads / hidden units (column-parallel), wo and
-    the MLP's output projection become :class:`RowParallelLinear`. Attention infers its local head counts
-    from the projection widths, so ``model(tokens)`` still works and returns the full logits on every rank.
+def _check_tp_shapes(spec: ModelSpec, tp: int) -> None:
+    """The divisibility the analytic model needs: heads, kv heads and ffn_hidden_size by tp (a vocabulary
+    that does not divide is padded in practice)."""
+    for name in ("n_heads", "n_kv_heads", "ffn_hidden_size"):
+        check_divides("tp", tp, name, getattr(spec, name), hint=f"model {spec.name!r}")
 
-    Raises ValueError when the TP size does not divide the heads, kv heads or ffn_hidden_size.
-    """
-    tp, r = dist.get_world_size(group), dist.get_rank(group)
-    spec = model.spec
-    check_tp(spec, tp)
-    clock = clock or CommClock()
-    d = spec.head_dim
-    hq, hk, f = spec.n_heads // tp, spec.n_kv_heads // tp, spec.ffn_hidden_size // tp
-    for layer in model.layers:
-        a = layer.attn
-        _keep_rows(a.wq, r * hq * d, (r + 1) * hq * d)
-        _keep_rows(a.wk, r * hk * d, (r + 1) * hk * d)
-        _keep_rows(a.wv, r * hk * d, (r + 1) * hk * d)
-        a.wo = _row_parallel(a.wo, r * hq * d, (r + 1) * hq * d, group, clock)
-        m = layer.mlp
-        if hasattr(m, "w_gate"):
-            _keep_rows(m.w_gate, r * f, (r + 1) * f)
-            _keep_rows(m.w_up, r * f, (r + 1) * f)
-            m.w_down = _row_parallel(m.w_down, r * f, (r + 1) * f, group, clock)
-        else:
-            _keep_rows(m.fc_in, r * f, (r + 1) * f)
-            m.fc_out = _row_parallel(m.fc_out, r * f, (r + 1) * f, group, clock)
-    model.tp = tp
-    return model
+
+def shard_tp(model: Transformer, group):
+    """The whole ``model`` (identical on every rank) split over ``group`` with
+    :func:`labkit.parallel.tensor.apply_tp`: attention heads and MLP hidden units column/row-parallel
+    (Shoeybi et al. 2019, Sec. 3), vocabulary-parallel embedding and output layer. ``model`` is consumed
+    (pass a copy). Raises ValueError from :func:`check_tp`."""
+    from labkit.parallel.tensor import apply_tp
+
+    check_tp(model.spec, dist.get_world_size(group))
+    return apply_tp(model, group)
+
+
+def collectives_per_forward(spec: ModelSpec, tp: int) -> dict:
+    """*Predicted* collectives of one TP forward pass (a prefill, or one decode step for the whole batch):
+    ``all_reduce`` = 2 per layer (after attention, after the MLP; Shoeybi et al. 2019, Sec. 3) + 1 (the
+    vocabulary-parallel embedding), ``all_gather`` = 1 (the vocabulary-split logits, gathered to sample).
+    Zero for tp = 1."""
+    if positive_int("tp", tp) == 1:
+        return {"all_reduce": 0, "all_gather": 0}
+    return {"all_reduce": 2 * spec.n_layers + 1, "all_gather": 1}
+
+
+def _gather_vocab(model, logits: torch.Tensor) -> torch.Tensor:
+    """A TP model's vocabulary blocks [..., Vp/tp] all-gathered to [..., vocab_size]; others unchanged."""
+    if getattr(model, "tp", 1) > 1:
+        from labkit.parallel.tensor import gather_from_tp_region
+
+        logits = gather_from_tp_region(logits, model.group)[..., : model.vocab_size]
+    return logits
+
+
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits of hidden ``x`` [B, T, H] -> [B, T, vocab_size]."""
+    return _gather_vocab(model, model.head(x))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -234,7 +205,7 @@ def prefill(model: Transformer, tokens: torch.Tensor, cache: torch.Tensor) -> to
         o = a.core(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), causal=True)
         x = x + a.wo(o.transpose(1, 2).reshape(1, t, -1))
         x = x + layer.mlp(layer.mlp_norm(x))
-    return model.head(x[:, -1:])[0, 0]
+    return _logits(model, x[:, -1:])[0, 0]
 
 
 @torch.inference_mode()
@@ -244,7 +215,7 @@ def decode(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, ca
     written here). Returns logits [B, vocab_size]. The linear layers run batched; attention runs per
     sequence over its own cache length (no padding)."""
     b = tokens.shape[0]
-    x = model.embed(tokens)[:, None]
+    x = model.embed(tokens[:, None])
     if model.pos_embed is not None:
         x = x + model.pos_embed(positions)[:, None]
     pos2 = positions[:, None]
@@ -265,7 +236,7 @@ def decode(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, ca
         o = torch.cat(outs)
         x = x + a.wo(o.transpose(1, 2).reshape(b, 1, -1))
         x = x + layer.mlp(layer.mlp_norm(x))
-    return model.head(x)[:, 0]
+    return _logits(model, x)[:, 0]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -286,16 +257,15 @@ class _Live:
 class Engine:
     """One serving instance: a model (whole, or this rank's TP shard) and a decode loop over requests.
 
-    ``timeline``: where prefill / decode / cancel events go (``ctx.timeline``); ``clock``: the all-reduce
-    clock of a TP model (:func:`shard_tp`), None for a whole model; ``seed``: prompt seed
-    (:func:`prompt_tokens`).
+    ``timeline``: where prefill / decode / cancel events go (``ctx.timeline``); ``seed``: prompt seed
+    (:func:`prompt_tokens`). With a TP model (:func:`shard_tp`) every collective of a serve call is recorded
+    (:class:`labkit.commlog.CommLog`, tagged prefill / decode): its time and count come back *measured*.
     """
 
-    def __init__(self, model: Transformer, *, timeline=None, clock: CommClock | None = None, seed: int = 0):
+    def __init__(self, model: Transformer, *, timeline=None, seed: int = 0):
         self.model = model.eval()
         self.spec = model.spec
         self.timeline = timeline
-        self.clock = clock or CommClock()
         self.seed = seed
         self.tp = getattr(model, "tp", 1)
         p = next(model.parameters())
@@ -342,10 +312,11 @@ class Engine:
         (a TP peer gone: gloo times out) fails every in-flight request with ``comm_timeout``; the requests
         never admitted are returned in ``unserved``. ``arrival_ns``: rid -> arrival time for retried requests
         (default: the start of this call); ``attempt``: the attempt number of every request, or rid -> attempt;
-``t0_ns``: the clock origin of ``kv_trace``.
+        ``t0_ns``: the clock origin of ``kv_trace``.
 
         Returns ``{"records": [...], "unserved": [...], "cancel": {...} or None, "failed": bool,
-        "prefill_s", "decode_s", "comm_s", "steps"}`` (times measured on this rank).
+        "prefill_s", "decode_s", "comm_s", "comm_calls", "prefills", "steps", "wall_s"}`` (times measured on
+        this rank; ``comm_calls``: ``"<prefill|decode>_<op>"`` -> collectives counted by CommLog, TP only).
         """
         concurrency = positive_int("concurrency", concurrency)
         _check_workload(self.spec, requests)
@@ -357,7 +328,6 @@ class Engine:
         cancel_info = None
         step = 0
         prefill_ns = decode_ns = 0
-        comm0 = self.clock.ns
         arrivals = arrival_ns or {}
         failed = False
         self.last_records, self.last_queue = records, queue  # readable after RankLost
@@ -376,85 +346,100 @@ class Engine:
                 "tokens": list(x.tokens)})
             x.cache = None
 
-        try:
-            while queue or live:
-                while queue and len(live) < concurrency:
-                    req = queue.pop(0)
-                    x = _Live(req, attempt.get(req["rid"], 1) if isinstance(attempt, dict) else attempt,
-                              arrival_ns=arrivals.get(req["rid"], start), admitted_ns=now_ns())
-                    x.cache = self._alloc(req["prompt_len"] + req["max_new_tokens"])
-                    live.append(x)
-                    toks = prompt_tokens(req["rid"], req["prompt_len"], self.spec.vocab_size, self.seed)
-                    t1 = now_ns()
-                    with self._span("prefill", microbatch=req["rid"]):
-                        logits = prefill(self.model, toks.to(self.device), x.cache)
-                    x.tokens.append(int(logits.argmax()))
-                    x.first_ns = now_ns()
-                    x.prefill_ns = x.first_ns - t1
-                    prefill_ns += x.prefill_ns
-                    self._trace(t0, live, "admit")
-                    if req["max_new_tokens"] == 1:
-                        live.remove(x)
-                        finish(x, "ok", x.first_ns)
-                if not live:
-                    continue
-                step += 1
-                if lose_at_step is not None and step == lose_at_step:
-                    raise RankLost(f"rank lost at decode step {step} (failure injection)")
-                if cancel_step is not None and step == cancel_step:
-                    before = self.live_kv_bytes()
-                    pred_before = self.predicted_kv_bytes(live)
-                    victims = live[::2]
-                    with self._span("cancel", "other", step=step):
-                        for x in victims:
+        with self._commlog() as log:
+            try:
+                while queue or live:
+                    while queue and len(live) < concurrency:
+                        req = queue.pop(0)
+                        x = _Live(req, attempt.get(req["rid"], 1) if isinstance(attempt, dict) else attempt,
+                                  arrival_ns=arrivals.get(req["rid"], start), admitted_ns=now_ns())
+                        x.cache = self._alloc(req["prompt_len"] + req["max_new_tokens"])
+                        live.append(x)
+                        toks = prompt_tokens(req["rid"], req["prompt_len"], self.spec.vocab_size, self.seed)
+                        t1 = now_ns()
+                        with self._span("prefill", microbatch=req["rid"]), _tagged(log, "prefill"):
+                            logits = prefill(self.model, toks.to(self.device), x.cache)
+                        x.tokens.append(int(logits.argmax()))
+                        x.first_ns = now_ns()
+                        x.prefill_ns = x.first_ns - t1
+                        prefill_ns += x.prefill_ns
+                        self._trace(t0, live, "admit")
+                        if req["max_new_tokens"] == 1:
                             live.remove(x)
-                            finish(x, "cancelled", now_ns())
-                        gc.collect()
-                    after = self.live_kv_bytes()
-                    cancel_info = {"step": step, "cancelled": len(victims),
-                                   "in_flight_before": len(victims) + len(live),
-                                   "kv_bytes_before_measured": before, "kv_bytes_after_measured": after,
-                                   "kv_bytes_freed_measured": before - after,
-                                   "kv_bytes_before_predicted": pred_before,
-                                   "kv_bytes_freed_predicted": pred_before - self.predicted_kv_bytes(live)}
-                    self._trace(t0, live, "cancel")
+                            finish(x, "ok", x.first_ns)
                     if not live:
                         continue
-                toks = torch.tensor([x.tokens[-1] for x in live], device=self.device)
-                pos = torch.tensor([x.req["prompt_len"] + len(x.tokens) - 1 for x in live], device=self.device)
-                t1 = now_ns()
-                with self._span("decode", step=step):
-                    logits = decode(self.model, toks, pos, [x.cache for x in live])
-                decode_ns += now_ns() - t1
-                nxt = logits.argmax(-1).tolist()
+                    step += 1
+                    if lose_at_step is not None and step == lose_at_step:
+                        raise RankLost(f"rank lost at decode step {step} (failure injection)")
+                    if cancel_step is not None and step == cancel_step:
+                        before = self.live_kv_bytes()
+                        pred_before = self.predicted_kv_bytes(live)
+                        victims = live[::2]
+                        with self._span("cancel", "other", step=step):
+                            for x in victims:
+                                live.remove(x)
+                                finish(x, "cancelled", now_ns())
+                            gc.collect()
+                        after = self.live_kv_bytes()
+                        cancel_info = {"step": step, "cancelled": len(victims),
+                                       "in_flight_before": len(victims) + len(live),
+                                       "kv_bytes_before_measured": before, "kv_bytes_after_measured": after,
+                                       "kv_bytes_freed_measured": before - after,
+                                       "kv_bytes_before_predicted": pred_before,
+                                       "kv_bytes_freed_predicted": pred_before - self.predicted_kv_bytes(live)}
+                        self._trace(t0, live, "cancel")
+                        if not live:
+                            continue
+                    toks = torch.tensor([x.tokens[-1] for x in live], device=self.device)
+                    pos = torch.tensor([x.req["prompt_len"] + len(x.tokens) - 1 for x in live], device=self.device)
+                    t1 = now_ns()
+                    with self._span("decode", step=step), _tagged(log, "decode"):
+                        logits = decode(self.model, toks, pos, [x.cache for x in live])
+                    decode_ns += now_ns() - t1
+                    nxt = logits.argmax(-1).tolist()
+                    end = now_ns()
+                    for x, tok in zip(list(live), nxt):
+                        x.tokens.append(int(tok))
+                        if len(x.tokens) >= x.req["max_new_tokens"]:
+                            live.remove(x)
+                            finish(x, "ok", end)
+                    self._trace(t0, live, "step")
+            except RankLost:
                 end = now_ns()
-                for x, tok in zip(list(live), nxt):
-                    x.tokens.append(int(tok))
-                    if len(x.tokens) >= x.req["max_new_tokens"]:
-                        live.remove(x)
-                        finish(x, "ok", end)
-                self._trace(t0, live, "step")
-        except RankLost:
-            end = now_ns()
-            for x in live:
-                finish(x, "rank_lost", end)
-            live.clear()
-            gc.collect()
-            raise
-        except RuntimeError as e:  # a collective failed: a TP peer is gone (gloo: timed out)
-            if not _is_comm_failure(e):
+                for x in live:
+                    finish(x, "rank_lost", end)
+                live.clear()
+                gc.collect()
                 raise
-            failed = True
-            end = now_ns()
-            for x in live:
-                finish(x, "comm_timeout", end)
-            live.clear()
-            gc.collect()
-            self._trace(t0, live, "failure")
+            except RuntimeError as e:  # a collective failed: a TP peer is gone (gloo: timed out)
+                if not _is_comm_failure(e):
+                    raise
+                failed = True
+                end = now_ns()
+                for x in live:
+                    finish(x, "comm_timeout", end)
+                live.clear()
+                gc.collect()
+                self._trace(t0, live, "failure")
+        comm = log.to_frame() if log is not None else pd.DataFrame(columns=["op", "tag", "start_ns", "end_ns"])
+        calls = {f"{tag}_{op}": int(n) for (tag, op), n in comm.groupby(["tag", "op"]).size().items()}
         return {"records": records, "unserved": queue, "cancel": cancel_info, "failed": failed,
                 "prefill_s": prefill_ns / 1e9, "decode_s": decode_ns / 1e9,
-                "comm_s": (self.clock.ns - comm0) / 1e9, "comm_calls": self.clock.calls, "steps": step,
+                "comm_s": float((comm["end_ns"] - comm["start_ns"]).sum()) / 1e9, "comm_calls": calls,
+                "prefills": sum(1 for r in records if r["prefill_s"] > 0), "steps": step,
                 "wall_s": (now_ns() - start) / 1e9}
+
+    def _commlog(self):
+        if self.tp == 1:
+            return contextlib.nullcontext()
+        from labkit.commlog import CommLog
+
+        return CommLog()
+
+
+def _tagged(log, tag: str):
+    return log.tagged(tag) if log is not None else contextlib.nullcontext()
 
 
 def _is_comm_failure(e: BaseException) -> bool:
@@ -472,9 +457,7 @@ def _model(plan: dict) -> Transformer:
 
 
 def _tp_engine(ctx, plan: dict, full: Transformer, group) -> Engine:
-    clock = CommClock()
-    model = shard_tp(copy.deepcopy(full), group, clock)
-    return Engine(model, timeline=ctx.timeline, clock=clock, seed=plan.get("seed", 0))
+    return Engine(shard_tp(copy.deepcopy(full), group), timeline=ctx.timeline, seed=plan.get("seed", 0))
 
 
 def _gather(obj):
@@ -501,7 +484,7 @@ def _parity(ctx, plan: dict, full: Transformer, group) -> dict:
     if ctx.world_size > 1:
         tp_model = shard_tp(copy.deepcopy(full), group)
         with torch.inference_mode():
-            tp_logits = tp_model(seq[None])[0]
+            tp_logits = _gather_vocab(tp_model, tp_model(seq[None]))[0]
         tcache = torch.zeros(kv_cache_shape(tp_model, t + 4), dtype=cache.dtype, device=ctx.device)
         tp_pre = prefill(tp_model, seq[:t], tcache)
         out.update({"tp": ctx.world_size, "tp_vs_whole_max_abs": float((tp_logits - ref).abs().max()),
@@ -630,8 +613,8 @@ def serve_rank(ctx, plan: dict) -> dict:
     for conc in plan.get("ramp", [ctx.world_size]):
         for mode in plan.get("modes", MODES):
             run = _serve_mode(ctx, plan, full, mode, requests, conc, group)
-            gathered = _gather({k: run[k] for k in ("records", "prefill_s", "decode_s", "comm_s", "wall_s",
-                                                      "steps", "kv_trace", "rank")})
+            gathered = _gather({k: run[k] for k in ("records", "prefill_s", "decode_s", "comm_s", "comm_calls",
+                                                      "prefills", "wall_s", "steps", "kv_trace", "rank")})
             if ctx.rank == 0:
                 out["runs"].append({"mode": mode, "concurrency": conc, "per_rank": gathered})
     if plan.get("cancel"):
@@ -762,14 +745,21 @@ def _q(s: pd.Series, q: float) -> float:
     return float(s.quantile(q)) if len(s) else float("nan")
 
 
+def _per(per_rank: list[dict], key: str, denom: str) -> float:
+    n = sum(g[denom] for g in per_rank)
+    return sum(g["comm_calls"].get(key, 0) for g in per_rank) / n if n else float("nan")
+
+
 def summarize(runs: list[dict]) -> pd.DataFrame:
     """One row per (mode, concurrency) run, all *measured*: requests, ``ttft_p50_s``/``ttft_p95_s`` (time
     to first token, from arrival), the same for short and long prompts, ``tps_p50``/``tps_p95`` (decode
     tokens per second of one request; higher is better, so p95 is the rate 95 % of requests reach or beat:
     the 5th percentile of TPS, the 95th of time per output token), ``throughput_tok_s`` (every generated
     token / the slowest instance's wall time), ``prefill_s``/``decode_s`` (compute time summed over serving
-    instances: every replica, or rank 0 of the TP group), ``prefill_fraction``, ``allreduce_s`` (TP: time
-    inside all-reduce on rank 0)."""
+    instances: every replica, or rank 0 of the TP group), ``prefill_fraction``, ``comm_s`` (TP: time inside
+    collectives on rank 0), and the collectives counted per forward pass (TP; compare
+    :func:`collectives_per_forward`): ``decode_all_reduce_per_step``, ``decode_all_gather_per_step``,
+    ``prefill_all_reduce_per_prompt``."""
     rows = []
     for run_ in runs:
         mode = run_["mode"]
@@ -787,7 +777,11 @@ def summarize(runs: list[dict]) -> pd.DataFrame:
             "tps_p50": _q(ok["tps"], 0.5), "tps_p95": _q(ok["tps"], 0.05),
             "e2e_p50_s": _q(ok["e2e_s"], 0.5), "throughput_tok_s": ok["new_tokens"].sum() / wall,
             "wall_s": wall, "prefill_s": pre, "decode_s": dec, "prefill_fraction": pre / (pre + dec),
-            "allreduce_s": sum(g["comm_s"] for g in per_rank), "source": "measured"})
+            "comm_s": sum(g["comm_s"] for g in per_rank),
+            "decode_all_reduce_per_step": _per(per_rank, "decode_all_reduce", "steps"),
+            "decode_all_gather_per_step": _per(per_rank, "decode_all_gather", "steps"),
+            "prefill_all_reduce_per_prompt": _per(per_rank, "prefill_all_reduce", "prefills"),
+            "source": "measured"})
     return pd.DataFrame(rows)
 
 
@@ -864,7 +858,7 @@ def predict_deployments(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8
         tps = []
         for t in divisors(gpus):
             try:
-                check_tp(spec, t)
+                _check_tp_shapes(spec, t)
                 tps.append(t)
             except ValueError:
                 pass
@@ -873,7 +867,7 @@ def predict_deployments(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8
     rows = []
     for tp in tps:
         check_divides("tp", tp, "gpus", gpus)
-        check_tp(spec, tp)
+        _check_tp_shapes(spec, tp)
         replicas = gpus // tp
         check_divides("replicas", replicas, "concurrency", concurrency,
                       hint=f"gpus/tp = {replicas} replicas share the sequences evenly")

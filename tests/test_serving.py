@@ -68,7 +68,7 @@ def test_engine_serves_greedy_tokens_and_kv_bytes_match_calculator():
     assert trace["in_flight"].max() == 3  # the concurrency cap
     assert (trace["kv_bytes_measured"] == trace["kv_bytes_predicted"]).all()
     assert eng.live_kv_bytes() == 0
-    assert out["prefill_s"] > 0 and out["decode_s"] > 0 and out["comm_s"] == 0
+    assert out["prefill_s"] > 0 and out["decode_s"] > 0 and out["comm_s"] == 0 and out["comm_calls"] == {}
 
 
 def test_cancel_storm_frees_half_and_a_leak_would_show():
@@ -103,10 +103,10 @@ def test_error_table_counts_by_hand():
 
 
 def test_bad_input_names_the_fix():
-    with pytest.raises(ValueError, match=r"tp=3 does not divide n_kv_heads=2; valid tp: 1, 2"):
-        sv.make_plan(3, model="lab-tiny-llama")
-    with pytest.raises(ValueError, match=r"tp=3 does not divide n_kv_heads=4; valid tp: 1, 2, 4"):
+    with pytest.raises(ValueError, match=r"tp=3 does not divide n_heads=8; valid tp: 1, 2, 4, 8"):
         sv.make_plan(3)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide n_kv_heads=2; valid tp: 1, 2; model 'lab-tiny"):
+        sv.make_plan(4, model="lab-tiny-llama")  # labkit.parallel.tensor would replicate; the KV cache splits
     with pytest.raises(ValueError, match=r"world_size=2 does not divide concurrency=3"):
         sv.make_plan(2, ramp=[3])
     with pytest.raises(ValueError, match=r"exceeds the model's max_seq_len=128"):
@@ -156,8 +156,12 @@ def test_replicas_vs_tp_and_failures_on_two_ranks():
     assert (tokens.apply(len) == 1).all(), tokens  # replicas and TP generate the same greedy tokens
     s = out["summary"]
     assert set(zip(s["mode"], s["concurrency"])) == {("replicas", 2), ("replicas", 4), ("tp", 2), ("tp", 4)}
-    assert (s.loc[s["mode"] == "tp", "allreduce_s"] > 0).all()
-    assert (s.loc[s["mode"] == "replicas", "allreduce_s"] == 0).all()
+    assert (s.loc[s["mode"] == "tp", "comm_s"] > 0).all() and (s.loc[s["mode"] == "replicas", "comm_s"] == 0).all()
+    want = sv.collectives_per_forward(get_spec("lab-tiny-llama"), 2)  # 2 per layer + embedding; logits gather
+    tp = s[s["mode"] == "tp"]
+    assert (tp["decode_all_reduce_per_step"] == want["all_reduce"]).all(), tp  # counted by CommLog
+    assert (tp["decode_all_gather_per_step"] == want["all_gather"]).all()
+    assert (tp["prefill_all_reduce_per_prompt"] == want["all_reduce"]).all()
     assert ((s["prefill_fraction"] > 0) & (s["prefill_fraction"] < 1)).all()
     assert (s["ttft_p95_s"] >= s["ttft_p50_s"]).all() and (s["tps_p95"] <= s["tps_p50"]).all()  # p95 = slow tail
 
