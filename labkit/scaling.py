@@ -215,8 +215,8 @@ def _cores() -> int:
 
 
 def _rows_of(out: dict, world_size: int, backend: str, cores: int) -> list[dict]:
-    return [{"world_size": world_size, "threads_per_rank": out["threads"], "cores": cores, "backend": backend, **r}
-            for r in out["rows"]]
+    return [{"world_size": world_size, "threads_per_rank": out["threads"], "cores": cores, "backend": backend, **r,
+             "source": "measured"} for r in out["rows"]]
 
 
 def _jobs(experiments, kwargs: dict) -> list[dict]:
@@ -249,8 +249,8 @@ def run(experiments="train", world_sizes: Sequence[int] = (1, 2, 4), *, strong_t
     threads per rank (default: launch's ``cores // world_size``; 1 makes each rank one core, as one GPU per
     rank).
 
-    Returns :func:`efficiency` of the measured rows (time and counts *measured*; the ideal columns
-    *predicted*), with ``attrs["timelines"]`` (world_size -> timeline DataFrame).
+    Returns :func:`efficiency` of the measured rows (``source`` = measured: times and counts; the ``ideal_*``
+    columns are *predicted*), with ``attrs["timelines"]`` (world_size -> timeline DataFrame).
 
     Raises ValueError before any launch: an unknown experiment, a world size that does not divide
     ``strong_total``, neither mode asked for, an empty series.

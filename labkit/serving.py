@@ -22,7 +22,7 @@ Measured (run side, inside ranks launched by :func:`labkit.launch`):
 * Metrics per request: TTFT (time to first token: queueing + prefill, from the request's arrival), TPS
   (decode tokens per second of that request, after its first token), end-to-end time; per run: p50/p95 of
   both (the p95 of TPS is the slow tail: the rate 95 % of requests reach), aggregate tokens/s, prefill vs
-  decode time, all-reduce time.
+  decode time, time in collectives and their count per step (TP).
 * Failures: a cancel storm (half the in-flight requests cancelled at one step; the KV bytes measured before
   and after) and a lost rank (replicas: the lost replica's requests fail and are retried on the others,
   which never stop serving; TP: the survivors' next all-reduce times out, every in-flight request fails and
@@ -711,7 +711,7 @@ def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0,
         for g in per_rank:
             for rec in g["records"]:
                 rows.append({"mode": run_["mode"], "concurrency": run_["concurrency"], "replica": g["rank"],
-                             **rec})
+                             **rec, "source": "measured"})
     records = pd.DataFrame(rows)
     out = {"plan": plan, "records": records, "summary": summarize(r0["runs"]), "parity": r0.get("parity"),
            "timeline": res.timeline, "wall_s": res.wall_s, "backend": res.backend}
@@ -728,8 +728,8 @@ def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0,
         out["cancel"] = pd.DataFrame(canc)
     if "rank_loss" in r0:
         rl = r0["rank_loss"]
-        fail = [dict(r, experiment="rank loss: replicas") for r in rl["replicas"]]
-        fail += [dict(r, experiment="rank loss: tp") for r in rl["tp"]]
+        fail = [dict(r, experiment="rank loss: replicas", source="measured") for r in rl["replicas"]]
+        fail += [dict(r, experiment="rank loss: tp", source="measured") for r in rl["tp"]]
         out["failures"] = pd.DataFrame(fail)
         errs += fail
         out["rank_loss"] = {k: rl[k] for k in ("tp_rebuild_s", "detect_timeout_s", "lost_rank", "step")}
