@@ -458,9 +458,16 @@ def local_param_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 
     :meth:`ParamTensor.local_shape`): its layers, the embedding on the first stage, the final norm and head on
     the last (with tied embeddings and pp > 1 the last stage holds its own copy of the embedding, as in
     Megatron-LM), and of each MoE layer the n_experts/ep experts of expert-parallel rank ``ep_rank``."""
-    layers = set(stage_layers(spec.n_layers, parallel.pp, parallel.vpp, stage))
-    first, last = stage == 0, stage == parallel.pp - 1
-    per_ep = spec.n_experts // parallel.ep if spec.is_moe else 0
+    return list(_stage_tensors(spec, parallel.pp, parallel.vpp, parallel.ep, stage, ep_rank))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_tensors(spec: ModelSpec, pp: int, vpp: int, ep: int, stage: int, ep_rank: int) -> tuple[ParamTensor, ...]:
+    """:func:`local_param_tensors`, cached on what it depends on (the planner asks for the same stages of
+    many meshes)."""
+    layers = set(stage_layers(spec.n_layers, pp, vpp, stage))
+    first, last = stage == 0, stage == pp - 1
+    per_ep = spec.n_experts // ep if spec.is_moe else 0
     out = []
     for t in param_tensors(spec):
         if t.part == "embed":
@@ -471,7 +478,7 @@ def local_param_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 
             keep = t.layer in layers and (t.expert is None or t.expert // per_ep == ep_rank)
         if keep:
             out.append(t)
-    return out
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -849,14 +856,18 @@ def _shard(n: int, group: int, sharded: bool) -> int:
 
 def _model_states(tensors: Iterable[tuple[ParamTensor | None, tuple[int, ...]]], conv: Convention, optimizer: str,
                   zero: int, dense_group: int, expert_group: int) -> dict[str, int]:
-    """Bytes of parameters, gradients, optimizer state for (tensor, local shape) pairs under ZeRO ``zero``."""
-    out = {"parameters": 0, "gradients": 0, "optimizer": 0}
+    """Bytes of parameters, gradients, optimizer state for (tensor, local shape) pairs under ZeRO ``zero``.
+    Tensors of the same local shape and group (dense / expert) cost the same bytes, so each kind is
+    computed once and multiplied by its count."""
+    kinds: dict[tuple[tuple[int, ...], bool], int] = {}
     for t, shape in tensors:
+        key = (tuple(shape), t is not None and t.expert is not None)
+        kinds[key] = kinds.get(key, 0) + 1
+    out = {"parameters": 0, "gradients": 0, "optimizer": 0}
+    for (shape, is_expert), count in kinds.items():
         n = math.prod(shape)
-        g = expert_group if (t is not None and t.expert is not None) else dense_group
-        out["parameters"] += nbytes(_shard(n, g, zero >= 3), conv.param_bits)
-        out["gradients"] += nbytes(_shard(n, g, zero >= 2), conv.grad_bits)
-        out["gradients"] += nbytes(_shard(n, g, zero >= 1), conv.grad_fp32_bits)
+        g = expert_group if is_expert else dense_group
+        grads = nbytes(_shard(n, g, zero >= 2), conv.grad_bits) + nbytes(_shard(n, g, zero >= 1), conv.grad_fp32_bits)
         opt = nbytes(_shard(n, g, zero >= 1), conv.master_bits)
         if optimizer == "adafactor":  # factored second moment (Shazeer & Stern 2018): rows + cols per matrix
             states = shape[0] + shape[1] if len(shape) == 2 else n
@@ -864,7 +875,9 @@ def _model_states(tensors: Iterable[tuple[ParamTensor | None, tuple[int, ...]]],
         else:
             opt += _N_STATES[optimizer] * nbytes(_shard(n, g, zero >= 1), conv.state_bits)
             opt += conv.step_bytes if optimizer == "adamw" else 0
-        out["optimizer"] += opt
+        out["parameters"] += count * nbytes(_shard(n, g, zero >= 3), conv.param_bits)
+        out["gradients"] += count * grads
+        out["optimizer"] += count * opt
     return out
 
 
@@ -964,7 +977,13 @@ def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, 
     layers = stage_layers(spec.n_layers, parallel.pp, parallel.vpp, stage)
     first, last = stage == 0, stage == parallel.pp - 1
     fly = in_flight_microbatches(parallel.schedule, parallel.pp, train.n_microbatches, parallel.vpp, stage)
-    per_layer = {i: activation_bytes_per_layer(spec, train, parallel, layer=i) for i in layers}
+    by_kind: dict[bool, int] = {}  # every dense layer saves the same bytes, and every MoE layer
+    per_layer = {}
+    for i in layers:
+        kind = spec.is_moe_layer(i)
+        if kind not in by_kind:
+            by_kind[kind] = activation_bytes_per_layer(spec, train, parallel, layer=i)
+        per_layer[i] = by_kind[kind]
     edges = edge_activation_items(spec, train, parallel)
     first_b = sum(i.nbytes for i in edges if i.where == "first_stage") if first else 0
     last_b = sum(i.nbytes for i in edges if i.where == "last_stage") if last else 0
@@ -978,7 +997,8 @@ def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, 
         temp += int(n * spec.vocab_size * 4 / t)  # gradient of the fp32 logits
     if train.recompute == "full":
         full = replace(train, recompute="none")
-        temp += max(activation_bytes_per_layer(spec, full, parallel, layer=i) for i in layers)
+        kinds = {spec.is_moe_layer(i): i for i in layers}.values()
+        temp += max(activation_bytes_per_layer(spec, full, parallel, layer=i) for i in kinds)
     if parallel.zero >= 3 and dense_group > 1:
         layer_local = {}
         for x, shp in pairs:
