@@ -859,7 +859,7 @@ def _model_states(tensors: Iterable[tuple[ParamTensor | None, tuple[int, ...]]],
     """Bytes of parameters, gradients, optimizer state for (tensor, local shape) pairs under ZeRO ``zero``.
     Tensors of the same local shape and group (dense / expert) cost the same bytes, so each kind is
     computed once and multiplied by its count (:func:`_kinds`, :func:`_kind_states`)."""
-    return _kind_states(_kinds(tensors), conv, optimizer, zero, dense_group, expert_group)
+    return dict(_kind_states(_kinds(tensors), conv, optimizer, zero, dense_group, expert_group))
 
 
 def _kinds(tensors) -> tuple[tuple[tuple[tuple[int, ...], bool], int], ...]:
@@ -871,8 +871,11 @@ def _kinds(tensors) -> tuple[tuple[tuple[tuple[int, ...], bool], int], ...]:
     return tuple(kinds.items())
 
 
+@functools.lru_cache(maxsize=4096)
 def _kind_states(kinds, conv: Convention, optimizer: str, zero: int, dense_group: int,
-                 expert_group: int) -> dict[str, int]:
+                 expert_group: int) -> tuple[tuple[str, int], ...]:
+    """:func:`_model_states` of grouped tensors, as ((category, bytes), ...) (cached: the middle pipeline
+    stages of a model hold the same kinds)."""
     out = {"parameters": 0, "gradients": 0, "optimizer": 0}
     for (shape, is_expert), count in kinds:
         n = math.prod(shape)
@@ -888,7 +891,7 @@ def _kind_states(kinds, conv: Convention, optimizer: str, zero: int, dense_group
         out["parameters"] += count * nbytes(_shard(n, g, zero >= 3), conv.param_bits)
         out["gradients"] += count * grads
         out["optimizer"] += count * opt
-    return out
+    return tuple(out.items())
 
 
 def _finish(cats: dict[str, int], headroom: float) -> dict[str, int]:
@@ -996,7 +999,10 @@ def _n_params(spec: ModelSpec) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _layer_activation_bytes(spec: ModelSpec, train: TrainConfig, parallel: ParallelConfig, layer: int) -> int:
+def _layer_activation_bytes(spec: ModelSpec, train: TrainConfig, parallel: ParallelConfig, moe: bool) -> int:
+    """:func:`activation_bytes_per_layer` of the dense (``moe`` False) or MoE layers: all layers of a kind save
+    the same bytes."""
+    layer = next(i for i in range(spec.n_layers) if spec.is_moe_layer(i) == moe)
     return activation_bytes_per_layer(spec, train, parallel, layer=layer)
 
 
@@ -1011,7 +1017,7 @@ def _edge_bytes(spec: ModelSpec, train: TrainConfig, parallel: ParallelConfig) -
 def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, e, workspace, headroom, bucket_bytes):
     t, sp = parallel.tp, parallel.sequence_parallel
     kinds, n_local, biggest_layer = _stage_shapes(spec, parallel.pp, parallel.vpp, parallel.ep, stage, t)
-    cats = _kind_states(kinds, conv, train.optimizer, parallel.zero, dense_group, expert_group)
+    cats = dict(_kind_states(kinds, conv, train.optimizer, parallel.zero, dense_group, expert_group))
     layers = stage_layers(spec.n_layers, parallel.pp, parallel.vpp, stage)
     first, last = stage == 0, stage == parallel.pp - 1
     fly = in_flight_microbatches(parallel.schedule, parallel.pp, train.n_microbatches, parallel.vpp, stage)
@@ -1020,7 +1026,7 @@ def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, 
     for i in layers:
         kind = spec.is_moe_layer(i)
         if kind not in by_kind:
-            by_kind[kind] = _layer_activation_bytes(spec, train, parallel, i)
+            by_kind[kind] = _layer_activation_bytes(spec, train, parallel, kind)
         per_layer[i] = by_kind[kind]
     edge_first, edge_last = _edge_bytes(spec, train, parallel)
     first_b = edge_first if first else 0
