@@ -22,6 +22,7 @@ import time
 import torch
 
 from labkit import collectives as col
+from labkit import records
 
 
 def main(argv=None) -> int:
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"record_gpu_collectives: error: {e}", file=sys.stderr)
         return 2
-    ident = col.run_identity("nccl", n)
+    ident = records.identity("collectives", {"ops": args.ops, "dtype": args.dtype}, world_size=n, backend="nccl")
     ident["command"] = " ".join(["benchmarks/record_gpu_collectives.py", *(argv or sys.argv[1:])])
     ident.update({"iters": args.iters, "warmup": args.warmup, "repeats": args.repeats})
     gpu = re.sub(r"[^a-z0-9]+", "-", ident["gpus"][0].lower()).strip("-")

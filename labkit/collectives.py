@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
-import socket
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -572,32 +570,6 @@ NO_REFERENCE = ("No recorded GPU run in data/reference/collectives/: no GPU numb
 
 def reference_dir() -> Path:
     return data_dir() / "reference" / "collectives"
-
-
-def run_identity(backend: str, world_size: int) -> dict:
-    """What ran where: host, platform, Python, torch, CUDA/NCCL versions and GPU names when present,
-    world size, backend, git sha of the lab, UTC time."""
-    import subprocess
-
-    import torch
-
-    ident = {"host": socket.gethostname(), "platform": platform.platform(),
-             "python": platform.python_version(), "torch": torch.__version__, "backend": backend,
-             "world_size": world_size, "cpu_count": os.cpu_count(),
-             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    try:
-        ident["git_sha"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                          cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        ident["git_sha"] = None
-    if torch.cuda.is_available():
-        ident["cuda"] = torch.version.cuda
-        ident["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        try:
-            ident["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # noqa: BLE001 - a build without NCCL
-            ident["nccl"] = None
-    return ident
 
 
 def write_reference(df: pd.DataFrame, identity: dict, path: str | Path) -> Path:

@@ -176,15 +176,21 @@ class Block(nn.Module):
     """Pre-norm transformer layer: ``x + drop(attn(attn_norm(x)))``, then ``x + drop(mlp(mlp_norm(x)))``.
 
     Attributes: ``attn_norm``, ``attn`` (:class:`Attention`), ``mlp_norm``, ``mlp`` (:class:`SwiGLU` or
-    :class:`GeluMLP`). Runs alone (RoPE tables live in ``attn``). [B, T, H] -> [B, T, H].
+    :class:`GeluMLP`; with ``moe=True`` a :class:`labkit.parallel.expert.MoE`, whose dropped tokens pass
+    through on the residual path). Runs alone (RoPE tables live in ``attn``). [B, T, H] -> [B, T, H].
     """
 
-    def __init__(self, spec: ModelSpec, attention: str = "sdpa"):
+    def __init__(self, spec: ModelSpec, attention: str = "sdpa", moe: bool = False):
         super().__init__()
         self.attn_norm = make_norm(spec)
         self.attn = Attention(spec, attention)
         self.mlp_norm = make_norm(spec)
-        self.mlp = make_mlp(spec)
+        if moe:
+            from labkit.parallel.expert import MoE
+
+            self.mlp = MoE.from_spec(spec)
+        else:
+            self.mlp = make_mlp(spec)
         self.dropout_p = spec.dropout
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,6 +204,8 @@ class Transformer(nn.Module):
     Attributes: ``spec``, ``embed`` (nn.Embedding [V, H]), ``pos_embed`` (nn.Embedding [max_seq_len, H],
     only for learned positions, else None), ``layers`` (nn.ModuleList of :class:`Block`), ``norm``,
     ``lm_head`` (nn.Linear [H -> V], None when embeddings are tied: logits then use ``embed.weight``).
+    MoE specs (``n_experts > 0``): layer i's MLP is a :class:`labkit.parallel.expert.MoE` when
+    ``spec.is_moe_layer(i)`` (no capacity limit by default; see ``labkit.parallel.expert.set_capacity_factor``).
 
     ``positions`` (int64 [T], optional) gives each token's absolute position (default 0..T-1); context
     parallelism passes the positions of its sequence shard.
@@ -205,13 +213,10 @@ class Transformer(nn.Module):
 
     def __init__(self, spec: ModelSpec, attention: str = "sdpa"):
         super().__init__()
-        if spec.is_moe:
-            raise ValueError(f"model {spec.name!r} has n_experts={spec.n_experts}: MoE layers are built by "
-                             "labkit.parallel.expert, not labkit.models.Transformer")
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.pos_embed = nn.Embedding(spec.max_seq_len, spec.hidden_size) if spec.position == "learned" else None
-        self.layers = nn.ModuleList(Block(spec, attention) for _ in range(spec.n_layers))
+        self.layers = nn.ModuleList(Block(spec, attention, moe=spec.is_moe_layer(i)) for i in range(spec.n_layers))
         self.norm = make_norm(spec)
         self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 

@@ -63,7 +63,9 @@ def machine_identity(backend: str | None = None) -> dict:
         try:
             if torch.cuda.is_available():
                 ident["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        except Exception:  # noqa: BLE001 - a broken driver must not stop a save
+                ident["cuda"] = torch.version.cuda
+                ident["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - a broken driver or a build without NCCL must not stop a save
             pass
     if backend is not None:
         ident["backend"] = backend

@@ -321,3 +321,14 @@ def test_worker_outside_torchrun_says_how():
     proc = subprocess.run([sys.executable, "-m", "labkit.worker", "labkit.experiments:hello"], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "not under torchrun" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU path (skipped without CUDA): NCCL with one rank per GPU, the same code
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_world_size_one_on_gpu():
+    res = launch(report, 1, 3, backend="auto", echo=False)
+    assert res.backend == "nccl" and res[0]["device"] == "cuda:0" and res[0]["sum"] == 1.0
+    assert len(res.timeline) == 2

@@ -1,0 +1,164 @@
+"""Context parallelism: sharding, the blockwise kernel, and multi-process parity on gloo (cp 2 and 4).
+
+Parity tolerance: fp32, ``labkit.models.TOLERANCES[torch.float32]`` (rtol 1e-4, atol 1e-5); the measured
+errors are ~1e-6 (different summation order of the blockwise log-sum-exp merge vs one softmax).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit import launch
+from labkit.models import TOLERANCES
+from labkit.parallel import context as cpx
+
+TOL = TOLERANCES[torch.float32]
+
+
+def _qkv(seed=0, b=2, h=4, t=32, d=8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, t, d, generator=g) for _ in range(3)]
+
+
+# ------------------------------------------------------------------------------------------------------
+# single process: sharding, validation, the kernel
+# ------------------------------------------------------------------------------------------------------
+def test_zigzag_positions_and_roundtrip():
+    assert cpx.shard_positions(8, 2, 0, load_balance=True).tolist() == [0, 1, 6, 7]
+    assert cpx.shard_positions(8, 2, 1, load_balance=True).tolist() == [2, 3, 4, 5]
+    assert cpx.shard_positions(8, 2, 1).tolist() == [4, 5, 6, 7]
+    x = torch.randn(2, 3, 16, 5)
+    for cp in (1, 2, 4):
+        for lb in (False, True):
+            shards = [cpx.shard_sequence(x, cp, r, lb) for r in range(cp)]
+            assert torch.equal(cpx.unshard_sequence(shards, lb), x)
+            every = torch.cat([cpx.shard_positions(16, cp, r, lb) for r in range(cp)])
+            assert sorted(every.tolist()) == list(range(16))
+
+
+def test_validation_messages():
+    with pytest.raises(ValueError, match=r"cp=3 does not divide seq_len=16; valid cp: 1, 2, 4, 8, 16"):
+        cpx.check_context_parallel(16, 3)
+    with pytest.raises(ValueError, match=r"2·cp=8 does not divide seq_len=12.*valid cp: 1, 2, 3, 6"):
+        cpx.check_context_parallel(12, 4, load_balance=True)
+    with pytest.raises(ValueError, match=r"cp=4 does not divide n_heads=6"):
+        cpx.check_context_parallel(16, 4, method="ulysses", n_heads=6)
+    with pytest.raises(ValueError, match=r"method='flash' is not valid; choose one of: ring, allgather, ulysses"):
+        cpx.check_context_parallel(16, 2, method="flash")
+    cpx.check_context_parallel(16, 4, load_balance=True, method="ulysses", n_heads=8)  # valid: no error
+
+
+def test_only_the_diagonal_is_masked():
+    # causal: earlier key chunk -> unmasked, same chunk -> masked, later chunk -> skipped
+    assert cpx.chunk_pairs([1], [0], causal=True) == [(0, 0, False)]
+    assert cpx.chunk_pairs([1], [1], causal=True) == [(0, 0, True)]
+    assert cpx.chunk_pairs([0], [1], causal=True) == []
+    # zigzag rank 0 of cp=2 (chunks 0 and 3) against rank 1's block (chunks 1 and 2): only chunk 3 sees them
+    assert cpx.chunk_pairs([0, 3], [1, 2], causal=True) == [(1, 0, False), (1, 1, False)]
+    # non-causal: every pair, none masked, with or without load balancing
+    assert cpx.chunk_pairs([0, 3], [1, 2], causal=False) == [(i, j, False) for i in range(2) for j in range(2)]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("load_balance", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_emulated_ring_matches_sdpa(cp, load_balance, causal):
+    q, k, v = _qkv()
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = cpx.ring_attention_emulated(q, k, v, cp, causal=causal, load_balance=load_balance)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_masking_every_block_is_caught():
+    """Field case: a two-device causal ring that masks every block instead of only the diagonal."""
+    q, k, v = _qkv()
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    bad = cpx.ring_attention_emulated(q, k, v, 2, causal=True, mask_policy="every_block")
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(bad, ref, **TOL)
+    # rank 1's queries lose most keys of rank 0's block (masked as if it were the diagonal), and rank 0's
+    # queries see future keys of rank 1's block (masked, not skipped): both halves are far off
+    assert (bad - ref)[..., 16:, :].abs().max() > 0.1
+    assert (bad - ref)[..., :16, :].abs().max() > 0.1
+
+
+def test_predicted_blocks():
+    assert cpx.predicted_blocks(4) == [1.0, 2.0, 3.0, 4.0]
+    assert cpx.predicted_blocks(4, load_balance=True) == [2.25] * 4  # (2cp+1)/4
+    assert cpx.predicted_blocks(4, causal=False) == [4.0] * 4
+    assert cpx.predicted_blocks(4, causal=False, load_balance=True) == [4.0] * 4
+    assert cpx.predicted_blocks(4, method="ulysses") == [2.5] * 4  # the ring's mean, on every rank
+
+
+def test_core_rejects_attention_dropout():
+    core = cpx.ContextParallelAttention("ring")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="dropout_p=0.1"):
+        core(q, k, v, causal=True, dropout_p=0.1, training=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# multi-process (gloo): one launch per world size checks every case
+# ------------------------------------------------------------------------------------------------------
+SHAPE = {"batch": 1, "n_heads": 4, "seq_len": 64, "head_dim": 8}
+
+
+def _cp_everything(ctx, model_cases, profile_configs):
+    """Parity of every (method, causal, load_balance) case + model cases + a small profile, in one launch."""
+    parity = cpx.cp_parity_rank(ctx, model_cases=model_cases)
+    profile = cpx.cp_profile_rank(ctx, profile_configs, repeats=1, **SHAPE)
+    return {"parity": parity, "profile": profile}
+
+
+def _check_parity(res, world_size, n_model_cases):
+    rows = [row for r in res for row in r["parity"]["attention"]]
+    assert len(rows) == world_size * 12
+    bad = [row for row in rows if not row["ok"]]
+    assert not bad, f"CP attention parity failed: {bad}"
+    assert {(row["method"], row["causal"], row["load_balance"]) for row in rows} == {
+        (m, c, lb) for m in cpx.METHODS for c in (True, False) for lb in (False, True)}
+    model_rows = [row for r in res for row in r["parity"]["model"]]
+    assert len(model_rows) == world_size * n_model_cases
+    bad = [row for row in model_rows if not row["ok"]]
+    assert not bad, f"CP model parity failed: {bad}"
+
+
+def _check_profile(res, world_size):
+    table = cpx.profile_table([r["profile"] for r in res], **SHAPE)
+    # memory and bytes: measured == predicted exactly (both are counts of the same tensors)
+    assert (table["saved_bytes"] == table["predicted_saved_bytes"]).all(), table
+    assert (table["sent_bytes"] == table["predicted_sent_bytes"]).all(), table
+    # work: the kernel computed exactly the predicted blocks on every rank (naive: r+1, zigzag: (2cp+1)/4)
+    assert (table["blocks"] == table["predicted_blocks"]).all(), table
+    # ring and Ulysses keep 1/cp of the cp=1 activations
+    by = table.groupby(["method", "cp"])["saved_bytes"].first()
+    for m in ("ring", "ulysses"):
+        assert by[(m, 1)] == world_size * by[(m, world_size)]
+    # timeline: ring attention records one forward compute event per ring step (stage) on every rank
+    tl = res.timeline
+    fwd = tl[(tl["name"] == "attn fwd") & (tl["stage"] >= 0)]
+    stages = fwd.groupby("rank")["stage"].agg(lambda s: sorted(set(s)))
+    assert len(stages) == world_size and all(st == list(range(world_size)) for st in stages), stages
+
+
+def test_context_parallel_cp2():
+    model_cases = [{"method": m, "load_balance": lb} for m in cpx.METHODS for lb in (False, True)]
+    configs = [{"method": m, "load_balance": lb} for m in cpx.METHODS for lb in (False, True)]
+    configs += [{"method": m, "load_balance": False, "cp": 1} for m in cpx.METHODS]
+    res = launch(_cp_everything, 2, model_cases, configs, timeout_s=120, echo=False)
+    _check_parity(res, 2, len(model_cases))
+    _check_profile(res, 2)
+
+
+def test_context_parallel_cp4():
+    model_cases = [{"method": "ring", "load_balance": True}, {"method": "ulysses", "load_balance": False}]
+    configs = [{"method": m, "load_balance": True, "cp": c} for m in cpx.METHODS for c in (1, 2, 4)]
+    res = launch(_cp_everything, 4, model_cases, configs, timeout_s=180, echo=False)
+    _check_parity(res, 4, len(model_cases))
+    _check_profile(res, 4)
+    # cp=2 inside a world of 4 (two independent CP groups): activations per rank scale as 1/cp
+    table = cpx.profile_table([r["profile"] for r in res], **SHAPE)
+    ring = table[table["method"] == "ring"].groupby("cp")["saved_bytes"].first()
+    assert ring[1] == 2 * ring[2] == 4 * ring[4]

@@ -1,0 +1,168 @@
+"""Mixture of experts and expert parallelism: routing, capacity, residual, and EP parity on gloo.
+
+Parity tolerance: fp32, ``labkit.models.TOLERANCES[torch.float32]`` (rtol 1e-4, atol 1e-5).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from labkit import launch
+from labkit.models import TOLERANCES, build_model
+from labkit.parallel import expert as ex
+from labkit.spec import get_spec
+
+TOL = TOLERANCES[torch.float32]
+
+
+# ------------------------------------------------------------------------------------------------------
+# single process
+# ------------------------------------------------------------------------------------------------------
+def test_validation_messages():
+    with pytest.raises(ValueError, match=r"ep=3 does not divide n_experts=8; valid ep: 1, 2, 4, 8"):
+        ex.check_expert_parallel(8, ep=3)
+    with pytest.raises(ValueError, match=r"top_k=9 must be <= n_experts=8"):
+        ex.check_expert_parallel(8, top_k=9)
+    with pytest.raises(ValueError, match=r"capacity_factor=0 must be a finite number > 0"):
+        ex.check_expert_parallel(8, capacity_factor=0)
+    with pytest.raises(ValueError, match=r"drop_policy='random' is not valid; choose one of: position, score"):
+        ex.check_expert_parallel(8, drop_policy="random")
+    with pytest.raises(ValueError, match=r"top_k=3 must be <= n_experts=2"):
+        ex.MoE(8, 16, 2, 3)
+
+
+def test_capacity_and_drop_policies():
+    # 6 tokens, 3 experts, top-1, every token prefers expert 0; capacity = ceil(1.0 * 6 * 1 / 3) = 2
+    logits = torch.tensor([[1.0, 0.0, 0.0], [2.0, 0, 0], [3.0, 0, 0], [4.0, 0, 0], [5.0, 0, 0], [6.0, 0, 0]])
+    r = ex.route(logits, 1, 1.0, drop_policy="position")
+    assert r.capacity == 2
+    assert r.keep[:, 0].tolist() == [True, True, False, False, False, False]  # first come, first served
+    r = ex.route(logits, 1, 1.0, drop_policy="score")
+    assert r.keep[:, 0].tolist() == [False, False, False, False, True, True]  # most confident first
+    st = r.stats()
+    assert st["dropped"] == 4 and st["dropped_tokens"] == 4 and st["overflow_per_expert"] == [4, 0, 0]
+    # top-2 with position policy: every token's first choice outranks any second choice
+    logits2 = torch.tensor([[2.0, 1.0, 0.0]] * 4)
+    r = ex.route(logits2, 2, 1.0)  # capacity ceil(4*2/3) = 3
+    assert r.capacity == 3 and r.keep[:, 0].tolist() == [True, True, True, False]
+    assert r.keep[:, 1].tolist() == [True, True, True, False]
+    assert ex.route(logits2, 2, None).keep.all()
+
+
+def test_predicted_dropped_fraction():
+    fr = [ex.predicted_dropped_fraction(256, 8, 2, cf) for cf in (0.5, 1.0, 1.25, 2.0)]
+    assert fr[0] >= 0.5 - 1e-9  # at most half of the assignments fit
+    assert fr == sorted(fr, reverse=True) and fr[-1] < 1e-6
+    assert ex.predicted_dropped_fraction(256, 8, 2, None) == 0.0
+
+
+def test_moe_matches_a_per_token_loop():
+    torch.manual_seed(0)
+    moe = ex.MoE(8, 12, 4, 2, capacity_factor=0.75)
+    x = torch.randn(10, 8)
+    y = moe(x)
+    r = moe.last_routing
+    assert r.stats()["dropped"] > 0
+    ref = torch.zeros_like(x)
+    for t in range(10):
+        for s in range(2):
+            if r.keep[t, s]:
+                ref[t] += r.gate[t, s] * moe.experts[int(r.expert[t, s])](x[t:t + 1])[0]
+    torch.testing.assert_close(y, ref.detach(), **TOL)
+
+
+def test_moe_model_preset_and_dropped_tokens_ride_the_residual():
+    spec = get_spec("lab-tiny-moe")
+    model = build_model(spec, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == spec.n_params()
+    assert spec.n_active_params() < spec.n_params()
+    ex.set_capacity_factor(model, 0.25)
+    block = model.layers[0]
+    x = torch.randn(1, 32, spec.hidden_size)
+    h = x + block.attn(block.attn_norm(x))  # the residual stream entering the MoE sub-layer
+    out = block(x)
+    dropped = ~block.mlp.last_routing.keep.any(-1)
+    assert dropped.sum() > 0
+    out_rows, h_rows = out.reshape(-1, spec.hidden_size), h.reshape(-1, spec.hidden_size)
+    assert torch.equal(out_rows[dropped], h_rows[dropped])  # passed through unchanged ...
+    assert (out_rows[dropped].norm(dim=-1) > 0).all()  # ... never a zero vector
+    # the MoE contribution alone is zero for them: without the residual they would vanish
+    moe_only = block.mlp(block.mlp_norm(h)).reshape(-1, spec.hidden_size)
+    assert torch.equal(moe_only[dropped], torch.zeros_like(moe_only[dropped]))
+    # the whole model trains: loss backward reaches the router and the experts
+    ex.set_capacity_factor(model, None)
+    model(torch.randint(0, spec.vocab_size, (2, 16))).float().logsumexp(-1).mean().backward()
+    assert model.layers[0].mlp.router.weight.grad.abs().sum() > 0
+
+
+def test_dense_vs_moe_table():
+    df = ex.dense_vs_moe(batch=1, seq_len=8, repeats=1)
+    moe, dense = df.set_index("model").loc["moe"], df.set_index("model").loc["dense-active"]
+    assert moe["params_measured"] == moe["params_predicted"] > 2 * dense["params_measured"]
+    assert abs(moe["flops_per_token_predicted"] / dense["flops_per_token_predicted"] - 1) < 0.02
+
+
+# ------------------------------------------------------------------------------------------------------
+# multi-process (gloo)
+# ------------------------------------------------------------------------------------------------------
+def _recount(rows, n_experts, top_k, cf):
+    """Dropped assignments, counted independently: per rank, per expert, max(0, routed - capacity)."""
+    dropped = 0
+    for row in rows:
+        n = row["n_local"]
+        cap = math.ceil(cf * n * top_k / n_experts)
+        counts = collections.Counter(e for choices in row["expert"] for e in choices)
+        dropped += sum(max(0, c - cap) for c in counts.values())
+    return dropped
+
+
+def _ep_everything(ctx):
+    parity = ex.ep_parity_rank(ctx, capacity_factors=(None, 0.5, 1.0))
+    profile = ex.ep_profile_rank(ctx, tokens_per_rank=64, hidden_size=16, ffn_hidden_size=16,
+                                 n_experts=2 * ctx.world_size, repeats=1)
+    return {"parity": parity, "profile": profile}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel(world_size):
+    # a hang (e.g. mismatched all-to-all shapes) becomes a LaunchTimeout, not a stuck test run
+    res = launch(_ep_everything, world_size, timeout_s=150, echo=False)
+    rows = [row for r in res for row in r["parity"]]
+    bad = [{k: v for k, v in row.items() if k != "expert"} for row in rows if not row["ok"]]
+    assert not bad, f"EP parity failed: {bad}"
+    assert all(row["residual_ok"] for row in rows)
+    # uneven and zero counts happened: a rank with no tokens, and a rank sending nothing to some expert
+    assert any(row["n_local"] == 0 for row in rows)
+    assert any(0 in row["stats"]["send_counts"] for row in rows if row["n_local"] > 0)
+    assert len({row["n_local"] for row in rows if row["placement"] == "skewed"}) > 1
+    n_experts = 2 * world_size
+    for (kind, cf), group in _group(rows).items():
+        glob = group[0]["global"]
+        assert all(row["global"] == glob for row in group)  # every rank agrees on the global counts
+        if cf is None:
+            assert glob["dropped"] == 0
+        else:
+            assert glob["dropped"] == _recount(group, n_experts, 2, cf), (kind, cf)
+            if cf == 0.5:
+                assert glob["dropped"] > 0 and sum(row["fully_dropped"] for row in group) > 0
+    # profile: the dispatch all-to-all moved exactly the rows routed, counts first
+    for r in res:
+        prof = r["profile"]
+        nbytes = [c["nbytes"] for c in prof["comm"]]
+        assert nbytes[0] == n_experts * 8  # the int64 counts
+        assert nbytes[1] == prof["stats"]["dispatch_total_bytes"]
+        sweep = [s["dropped_fraction"] for s in prof["sweep"]]
+        assert sweep == sorted(sweep, reverse=True)
+    names = set(res.timeline["name"])
+    assert {"route", "a2a counts", "dispatch", "experts", "combine", "dispatch bwd", "combine bwd"} <= names
+
+
+def _group(rows):
+    out = collections.defaultdict(list)
+    for row in rows:
+        out[(row["placement"], row["capacity_factor"])].append(row)
+    return out
