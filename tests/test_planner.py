@@ -181,3 +181,24 @@ def test_cli_bad_input_exits_2(capsys, extra, needle):
     assert main(argv + extra) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_plan_bars_and_panel():
+    from labkit.widgets import plan_bars
+
+    p = planner.plan(HAND, gpus=4, gpu="h100-80gb", gpus_per_node=2, seq_len=1024, global_batch_size=8)
+    fig = plan_bars(p, top=3)
+    assert len(fig.data[0].x) == 3 and fig.data[0].name == "compute"
+    total = sum(tr.y[0] for tr in fig.data)
+    assert total == pytest.approx(p.best.step_time_s)
+    assert "predicted" in fig.layout.yaxis.title.text
+    pytest.importorskip("ipywidgets")
+    from labkit.widgets import planner_panel
+
+    panel = planner_panel("llama-3-70b", gpus=1024)
+    controls = {c.description: c for box in panel.children[0].children for c in box.children}
+    assert panel.plan().best.dp * panel.plan().best.tp * panel.plan().best.pp * panel.plan().best.cp == 1024
+    controls["GPUs"].value = 8  # 70B with an 8192-token sequence fits on no mesh of 8 H100s
+    assert panel.plan() is None and "smallest shortfall" in panel.children[1].value
+    controls["model"].value = "llama-3-8b"
+    assert panel.plan() is not None and panel.figure() is not None
