@@ -61,21 +61,50 @@ def _region_key(t: torch.Tensor):
     return loc.device.type, loc.device.index, loc.data_ptr(), loc.numel() * loc.element_size()
 
 
+def _byte_range(t: torch.Tensor):
+    """(storage key, first byte, end byte) of the local part of ``t`` inside its storage, clipped to the bytes the
+    storage holds now (a storage freed with ``resize_(0)`` — an unsharded parameter between uses — holds none).
+    Non-contiguous tensors are keyed by their own region, as before."""
+    loc = _local(t)
+    nb = loc.numel() * loc.element_size()
+    try:
+        st = loc.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return ("id", id(loc)), 0, nb
+    if not loc.is_contiguous():
+        return _region_key(loc), 0, nb
+    start = loc.storage_offset() * loc.element_size()
+    live = st.nbytes()
+    return (loc.device.type, loc.device.index, st.data_ptr()), min(start, live), min(start + nb, live)
+
+
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Measured model states on this rank, bytes: ``parameters`` (every distinct parameter's local bytes),
     ``gradients`` (their ``.grad``, local), ``optimizer`` (every tensor in ``optimizer.state``: Adam's
     exp_avg, exp_avg_sq and the float32 ``step``; DTensor states count their local shard).
 
-    Distinct means a distinct memory region (address and size): a tied weight counts once; tensors that are
-    views into one flat buffer count once each (the buffer's other bytes, e.g. padding, are not counted)."""
-    seen: set = set()
+    Every byte of memory counts once: a tied weight counts once; tensors that are views into one flat buffer
+    count the bytes they cover (the buffer's other bytes, e.g. padding, are not counted), overlapping views
+    (a ZeRO shard that is a view of the flat parameters) once; a view into a freed storage counts 0."""
+    covered: dict = {}
     out = {"parameters": 0, "gradients": 0, "optimizer": 0}
 
     def add(cat, t):
-        key = _region_key(t)
-        if key not in seen:
-            seen.add(key)
-            out[cat] += key[3]
+        key, lo, hi = _byte_range(t)
+        spans = covered.setdefault(key, [])
+        new = hi - lo
+        for a, b in spans:  # subtract what is already counted (the spans are kept disjoint)
+            new -= max(0, min(b, hi) - max(a, lo))
+        if hi > lo:
+            spans.append((lo, hi))
+            merged = []
+            for a, b in sorted(spans):
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            covered[key] = merged
+        out[cat] += new
 
     params = list(dict.fromkeys(model.parameters()))
     for p in params:

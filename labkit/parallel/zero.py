@@ -1,0 +1,559 @@
+"""Sharded data parallelism: ZeRO stages 1, 2 and 3 written from scratch, and torch's FSDP2 beside them.
+
+ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models")
+removes the redundancy of replicated data parallelism one model state at a time:
+
+* stage 1 (P_os) — each rank keeps the optimizer state of 1/n of the parameters. Gradients are
+  reduce-scattered (each rank receives the average of its shard), each rank updates its shard, and the
+  updated shards are all-gathered back into the full parameters. Same bytes as an all-reduce.
+* stage 2 (P_os+g) — also the gradients: each unit's gradients are reduce-scattered as soon as backward has
+  produced them, and the full-size gradients are freed; only the 1/n shard is kept (and accumulated).
+* stage 3 (P_os+g+p) — also the parameters: each rank stores 1/n of every unit; a unit is all-gathered
+  just before its forward, freed after it, all-gathered again just before its backward, and freed after
+  its gradients are reduce-scattered: ~1.5x the communication of DDP (Sec. 7.2.2).
+
+A *unit* is what is gathered at once: each transformer layer (``module.layers[i]``), plus a *root* unit with
+every other parameter (embeddings, final norm, output head). Like FSDP2's root module, the root unit stays
+gathered from the start of forward until its gradients are reduced (its parameters are used first and last).
+Each unit's parameters live in one flat buffer padded to a multiple of n; rank r owns elements
+[r·k, (r+1)·k) with k = padded/n. The optimizer (the lab's AdamW, element-wise) updates the flat shards,
+so its arithmetic per element is the same as the single-process reference.
+
+:func:`fsdp2` applies ``torch.distributed.fsdp.fully_shard`` bottom-up (each layer, then the root) on a
+DeviceMesh and builds the optimizer after sharding, after checking that the parameters are on the device
+the process group's backend serves (:func:`check_fsdp_devices`).
+
+Model-state bytes per rank are predicted by the lab's calculator (``labkit.memory``, convention
+"torch-fp32": fp32 parameters and gradients, AdamW's two fp32 moments and a float32 step counter per
+optimizer tensor) and measured by ``labkit.measure`` (:func:`predicted_table`, :func:`memory_rank`).
+Communication per step: :func:`predicted_comm_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.checks import check_choice, positive_int
+from labkit.commlog import all_gather_tensor, reduce_scatter_tensor
+from labkit.models import make_optimizer
+from labkit.parallel import data as dp_data
+from labkit.parallel import harness
+
+STAGES = (0, 1, 2, 3)
+VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
+#: the backend each device type needs (the process group's collectives run on tensors of this device)
+BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
+# ------------------------------------------------------------------------------------------------------
+# theory
+# ------------------------------------------------------------------------------------------------------
+def predicted_comm_bytes(stage: int, world_size: int, n_params: int, *, root_params: int = 0,
+                         n_microbatches: int = 1, bytes_per_element: int = 4) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step, by collective, with ring algorithms (nccl-tests factors:
+    all-reduce 2(n-1)/n·S, all-gather / reduce-scatter (n-1)/n·S).
+
+    * stage 0 (DDP): one all-reduce of Ψ per step (accumulation uses no_sync): 2(n-1)/n·Ψ.
+    * stage 1: reduce-scatter Ψ once per step (no_sync too) + all-gather Ψ after the update — the same total
+      (Rajbhandari et al. 2020, Sec. 7.2.1).
+    * stage 2: reduce-scatter Ψ every micro-batch + all-gather Ψ once.
+    * stage 3: per micro-batch, all-gather every unit for forward and every unit but the root again for
+      backward, reduce-scatter Ψ: (n-1)/n·(3Ψ - Ψ_root) per micro-batch — 1.5x DDP when Ψ_root → 0
+      (Sec. 7.2.2). FSDP2 keeps its root the same way, so the same formula applies.
+
+    ``n_params`` = Ψ (padded sizes, if padding exists), ``root_params`` = Ψ_root. Returns {op: bytes}.
+    """
+    check_choice("stage", stage, STAGES)
+    n = positive_int("world_size", world_size)
+    m = positive_int("n_microbatches", n_microbatches)
+    psi = positive_int("n_params", n_params) * bytes_per_element
+    root = root_params * bytes_per_element
+    f = (n - 1) / n
+    if stage == 0:
+        return {"all_reduce": 2 * f * psi}
+    if stage == 1:
+        return {"reduce_scatter": f * psi, "all_gather": f * psi}
+    if stage == 2:
+        return {"reduce_scatter": m * f * psi, "all_gather": f * psi}
+    return {"reduce_scatter": m * f * psi, "all_gather": m * f * (2 * psi - root)}
+
+
+# ------------------------------------------------------------------------------------------------------
+# from scratch
+# ------------------------------------------------------------------------------------------------------
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _is_freed(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == 0
+
+
+class _Unit:
+    """One group of parameters gathered and sharded together, with its flat buffers."""
+
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], n: int, rank: int, stage: int):
+        self.name = name
+        self.names = [q for q, _ in named_params]
+        self.params = [p for _, p in named_params]
+        p0 = self.params[0]
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = -(-self.numel // n) * n
+        self.k = self.padded // n
+        self.n, self.rank, self.stage = n, rank, stage
+        self.group = None  # set by the wrapper
+        self.flat = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                view = self.flat[off:off + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+                off += p.numel()
+        own = self.flat[rank * self.k:(rank + 1) * self.k]
+        # the optimizer's parameter: a view of the flat buffer (stages 1-2, updated in place, then all-gathered)
+        # or a tensor of its own (stage 3, the only copy this rank keeps)
+        self.shard = nn.Parameter(own.detach().clone() if stage == 3 else own.detach())
+        self.flat_grad = torch.zeros_like(self.flat) if stage == 1 else None
+        self.ready = 0
+        self.pending = []  # (work, output) of reduce-scatters in flight
+        self.launched = False
+        if stage == 3:
+            _free(self.flat)
+
+    # -- gradients -----------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            self.flat_grad.zero_()
+            off = 0
+            for p in self.params:
+                p.grad = self.flat_grad[off:off + p.numel()].view_as(p)
+                off += p.numel()
+            self.shard.grad = self.flat_grad[self.rank * self.k:(self.rank + 1) * self.k]
+        else:
+            for p in self.params:
+                p.grad = None
+            self.shard.grad = torch.zeros_like(self.shard)
+        self.ready, self.launched = 0, False
+
+    def flat_grads(self) -> torch.Tensor:
+        """The unit's gradients packed into a new padded flat tensor (missing gradients count as zero)."""
+        out = torch.zeros(self.padded, dtype=self.flat.dtype, device=self.flat.device)
+        off = 0
+        for p in self.params:
+            if p.grad is not None:
+                out[off:off + p.numel()].copy_(p.grad.reshape(-1))
+            off += p.numel()
+        return out
+
+    def reduce_scatter(self, ctx, async_op: bool) -> None:
+        """Reduce-scatter this unit's gradients (stage 2/3: then drop the full-size gradients)."""
+        full = self.flat_grad if self.stage == 1 else self.flat_grads()
+        out = torch.empty(self.k, dtype=full.dtype, device=full.device)
+        work = reduce_scatter_tensor(out, full, group=self.group, async_op=async_op)
+        if async_op:
+            work = harness.track_async(ctx, work, "reduce_scatter", full.numel() * full.element_size())
+        self.pending.append((work, out, full))
+        if self.stage >= 2:
+            for p in self.params:
+                p.grad = None
+        self.launched = True
+
+    def finish_reduce(self) -> None:
+        """Wait for this unit's reduce-scatters and add the averaged shard into the optimizer's gradient."""
+        with torch.no_grad():
+            for work, out, _full in self.pending:
+                if work is not None:
+                    work.wait()
+                out.div_(self.n)
+                if self.stage == 1:
+                    self.shard.grad.copy_(out)
+                else:
+                    self.shard.grad.add_(out)
+        self.pending = []
+        self.ready, self.launched = 0, False
+
+    # -- parameters ----------------------------------------------------------------------------------
+    def gather(self) -> bool:
+        """Materialise the full parameters (stage 3: all-gather into the flat buffer). True if it gathered."""
+        if not _is_freed(self.flat):
+            return False
+        self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
+        all_gather_tensor(self.flat, self.shard.detach(), group=self.group)
+        return True
+
+    def reshard(self) -> None:
+        if self.stage == 3 and not _is_freed(self.flat):
+            _free(self.flat)
+
+    def all_gather_update(self) -> None:
+        """Stages 1-2: after the optimizer updated this rank's slice in place, fetch everyone's slices."""
+        all_gather_tensor(self.flat, self.shard.detach().clone(), group=self.group)
+
+
+class ZeroDataParallel(nn.Module):
+    """ZeRO stage 1, 2 or 3 from scratch (module docstring). Follows the harness wrapper protocol.
+
+    Args:
+        module: the full model, identical on every rank of ``group`` (it is re-laid-out in place: its
+            parameters become views of per-unit flat buffers).
+        stage: 1, 2 or 3.
+        ctx: the RankContext (timeline events for asynchronous reduce-scatters), or None.
+        group: the data-parallel process group (default: the world).
+        unit_modules: the modules gathered one at a time (default: ``module.layers`` when present); the
+            parameters outside them form the root unit.
+
+    Build the optimizer over :meth:`optim_parameters` (the shards), after wrapping. Stage 1 supports
+    ``no_sync()`` for accumulation; stages 2 and 3 reduce-scatter every micro-batch (their point is not to
+    hold full-size gradients). Raises ValueError for a bad stage or parameters on the wrong device.
+    """
+
+    def __init__(self, module: nn.Module, stage: int, ctx=None, group=None, unit_modules=None):
+        super().__init__()
+        check_choice("stage", stage, (1, 2, 3))
+        backend = dist.get_backend(group)
+        check_fsdp_devices(module, BACKEND_DEVICE.get(backend, dp_data.module_device(module).type), backend,
+                           what=f"ZeRO-{stage}")
+        self.module, self.stage, self.ctx, self.group = module, stage, ctx, group
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        dp_data.broadcast_parameters(module, group)
+        if unit_modules is None:
+            unit_modules = list(module.layers) if isinstance(getattr(module, "layers", None), nn.ModuleList) else []
+        owner = {}
+        for i, m in enumerate(unit_modules):
+            for p in m.parameters():
+                owner.setdefault(p, i)
+        per_unit: list[list] = [[] for _ in unit_modules]
+        root = []
+        for q, p in module.named_parameters():
+            (per_unit[owner[p]] if p in owner else root).append((q, p))
+        self.units: list[_Unit] = []  # (root first, then the layers in order)
+        self.root = None
+        if root:
+            self.root = _Unit("root", root, self.n, self.rank, stage)
+            self.units.append(self.root)
+        self._layer_units = []
+        for i, params in enumerate(per_unit):
+            if params:
+                u = _Unit(f"unit{i}", params, self.n, self.rank, stage)
+                self.units.append(u)
+                self._layer_units.append((unit_modules[i], u))
+        for u in self.units:
+            u.group = group
+        # registered, so ``self.parameters()`` (and labkit.measure) see what this rank keeps: the shards
+        self.shards = nn.ParameterList([u.shard for u in self.units])
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        self.require_sync = True
+        self._pending = False
+        if stage != 1:
+            self.no_sync = None  # the harness protocol: this wrapper cannot defer gradient synchronisation
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                         for u in self.units for p in u.params if stage >= 2]
+        if stage == 3:
+            for m, u in self._layer_units:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward(u)))
+                self._handles.append(m.register_forward_hook(self._post_forward(u)))
+        self.zero_grad()
+
+    # -- protocol ------------------------------------------------------------------------------------
+    def optim_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer must own: this rank's flat shard of every unit."""
+        return [u.shard for u in self.units]
+
+    def forward(self, *args, **kwargs):
+        self._pending = self.require_sync and torch.is_grad_enabled()
+        if self.stage == 3 and self.root is not None:
+            self.root.gather()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stage 1 only (``None`` on stages 2-3): forward + backward inside accumulate full gradients
+        locally, without reduce-scatter."""
+        old, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = old
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients (stage 1: zero the flat gradient buffers the ``.grad`` views live in)."""
+        for u in self.units:
+            u.zero_grad()
+
+    def finish_grad_sync(self) -> None:
+        """After a backward: stage 1 reduce-scatters every unit (blocking); stages 2-3 launch any unit whose
+        gradients never all arrived and wait for the reduce-scatters their hooks started."""
+        if self.stage == 1:
+            if not self._pending:
+                return
+            for u in self.units:
+                u.reduce_scatter(self.ctx, async_op=False)
+        else:
+            for u in self.units:
+                if not u.launched:
+                    self._launch(u)
+        for u in self.units:
+            u.finish_reduce()
+        self._pending = False
+
+    def after_optimizer_step(self) -> None:
+        """Stages 1-2: all-gather the updated shards into the full parameters. Stage 3: nothing."""
+        if self.stage < 3:
+            for u in self.units:
+                u.all_gather_update()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights (CPU), gathering stage-3 units one at a time; collective on the group."""
+        out = {}
+        with torch.no_grad():
+            for u in self.units:
+                gathered = u.gather()
+                for q, p in zip(u.names, u.params):
+                    out[q] = p.detach().cpu().clone()
+                if gathered:
+                    u.reshard()
+        sd = self.module.state_dict()  # references only: freed storages are not read
+        return {k: out[k] if k in out else v.detach().cpu().clone() for k, v in sd.items()}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        u = self._unit_of[p]
+        u.ready += 1
+        if u.ready == len(u.params):
+            self._launch(u)
+
+    def _launch(self, u: _Unit) -> None:
+        u.reduce_scatter(self.ctx, async_op=True)
+        u.reshard()  # stage 3: the unit's backward is done, drop the gathered parameters
+
+    def _pre_forward(self, u: _Unit):
+        def hook(_module, _args):
+            u.gather()
+
+        return hook
+
+    def _post_forward(self, u: _Unit):
+        def hook(_module, _args, output):
+            if torch.is_grad_enabled():
+                outs = output if isinstance(output, (tuple, list)) else (output,)
+                for t in outs:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(lambda grad: (u.gather(), None)[1])  # gather before this unit's backward
+                        break
+            u.reshard()
+
+        return hook
+
+
+# ------------------------------------------------------------------------------------------------------
+# FSDP2
+# ------------------------------------------------------------------------------------------------------
+def check_fsdp_devices(module: nn.Module, device_type: str, backend: str, what: str = "FSDP2") -> None:
+    """Raise ValueError unless the process group's backend serves ``device_type`` and every parameter and
+    buffer of ``module`` is on that device type.
+
+    The field case (pytorch/pytorch#132471): ``fully_shard`` with a gloo group on a machine with GPUs moves
+    the parameters to CUDA and then runs gloo collectives on CUDA tensors — a segfault instead of an error.
+    gloo runs on ``cpu`` tensors, nccl on ``cuda`` tensors (``BACKEND_DEVICE``).
+    """
+    expected = BACKEND_DEVICE.get(backend)
+    if expected is not None and device_type != expected:
+        raise ValueError(f"{what}: device_type={device_type!r} does not match backend={backend!r}, which runs on "
+                         f"{expected!r} tensors; valid: " + ", ".join(f"{d!r} with {b!r}" for b, d in
+                                                                  BACKEND_DEVICE.items()))
+    for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in items:
+            if t.device.type != device_type:
+                raise ValueError(
+                    f"{what}: {kind} {name!r} is on {t.device}, but the {backend!r} process group runs on "
+                    f"{device_type!r} tensors; move the model first (model.to({device_type!r})) or use a "
+                    f"backend for {t.device.type!r} (valid: " + ", ".join(f"{b!r} for {d!r}" for b, d in
+                                                                         BACKEND_DEVICE.items()) + ")")
+
+
+def fsdp2(module: nn.Module, ctx, *, lr: float = 1e-3, mesh=None, reshard_after_forward: bool | None = None,
+          group=None):
+    """Shard ``module`` with FSDP2: ``fully_shard`` on each of ``module.layers`` then on the root, on
+    ``mesh`` (default: a 1-D mesh of the whole world on ``ctx.device.type``); then build the lab's AdamW
+    over the sharded (DTensor) parameters. Returns (module, optimizer).
+
+    ``reshard_after_forward`` None (default) leaves FSDP2's own choice: layers free their gathered
+    parameters after forward, the root keeps them until backward (as the lab's ZeRO-3 does); True or False
+    forces it on every unit, the root included.
+
+    Raises ValueError (via :func:`check_fsdp_devices`) if the parameters are not on the device the
+    backend serves, instead of letting gloo crash on CUDA tensors.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if group is not None:
+        raise ValueError("fsdp2 takes a DeviceMesh (mesh=...), not a process group")
+    device_type = mesh.device_type if mesh is not None else ctx.device.type
+    backend = dist.get_backend(mesh.get_group() if mesh is not None else None)
+    check_fsdp_devices(module, device_type, backend)
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    layers = getattr(module, "layers", [])
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True if reshard_after_forward is None
+                    else reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return module, make_optimizer(module.parameters(), lr)
+
+
+# ------------------------------------------------------------------------------------------------------
+# builders and rank functions
+# ------------------------------------------------------------------------------------------------------
+def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None, mesh=None, **options):
+    """Wrap ``module`` as ``variant`` (:data:`VARIANTS`: ddp = stage 0 via torch DDP, zero1/2/3 from
+    scratch, fsdp2) and build the optimizer after sharding. Returns (wrapped, optimizer)."""
+    check_choice("variant", variant, VARIANTS)
+    if variant == "ddp":
+        return dp_data.build("ddp", module, ctx, lr=lr, group=group, **options)
+    if variant == "fsdp2":
+        return fsdp2(module, ctx, lr=lr, mesh=mesh, **options)
+    z = ZeroDataParallel(module, int(variant[-1]), ctx, group, **options)
+    return z, make_optimizer(z.optim_parameters(), lr)
+
+
+def _builder(variant):
+    def fn(module, ctx, **kw):
+        return build(variant, module, ctx, **kw)
+
+    return fn
+
+
+WRAPPERS = {v: _builder(v) for v in VARIANTS}
+
+
+def run_rank(ctx, runs: list[dict] | None = None, **kwargs) -> list[dict]:
+    """Rank function: :func:`labkit.parallel.harness.run_experiments` over :data:`VARIANTS` (default: one
+    run of each). Keyword arguments are run_experiments' (model, steps, global_batch_size, seq_len, ...)."""
+    runs = [{"variant": v} for v in VARIANTS] if runs is None else runs
+    return harness.run_experiments(ctx, WRAPPERS, runs, **kwargs)
+
+
+#: the ZeRO stage each variant implements (FSDP2 = full sharding = stage 3)
+STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
+
+
+def memory_rank(ctx, degrees=None, variants=VARIANTS, *, model: str = "lab-tiny-llama", seq_len: int = 32,
+                global_batch_size: int = 8, seed: int = 0) -> list[dict]:
+    """Rank function: measured model-state bytes per rank for each variant at each sharding degree d.
+
+    For each d in ``degrees`` (default: every divisor of the world size) the world is cut into blocks of d
+    consecutive ranks; each block trains its own replica group (``dist.new_group``; FSDP2: the ``shard``
+    dimension of a (world/d, d) DeviceMesh). After one optimizer step (AdamW creates its state lazily),
+    ``labkit.measure.model_state_bytes`` reads the live tensors. Returns one dict per (d, variant) with
+    ``degree``, ``variant``, ``stage``, and measured ``parameters``, ``gradients``, ``optimizer`` (bytes,
+    this rank; ``optimizer`` includes AdamW's step counters, also given alone as ``optimizer_steps``: one per
+    parameter tensor for DDP and FSDP2, one per unit for the lab's flat ZeRO). Raises ValueError if a degree
+    does not divide the world size, or for an unknown variant.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from labkit.checks import check_divides, divisors
+    from labkit.measure import model_state_bytes
+    from labkit.models import SyntheticLM, build_model
+    from labkit.spec import get_spec
+
+    n = ctx.world_size
+    degrees = divisors(n) if degrees is None else list(degrees)
+    for d in degrees:
+        check_divides("degree", d, "world_size", n)
+    for v in variants:
+        check_choice("variant", v, VARIANTS)
+    spec = get_spec(model)
+    data = SyntheticLM(spec.vocab_size, seq_len)
+    rows = []
+    for d in degrees:
+        groups = [dist.new_group(list(range(i, i + d))) for i in range(0, n, d)]
+        group = groups[ctx.rank // d]
+        mesh = (init_device_mesh(ctx.device.type, (n,)) if d == n else
+                init_device_mesh(ctx.device.type, (n // d, d), mesh_dim_names=("replicate", "shard"))["shard"])
+        for v in variants:
+            module = build_model(spec, seed, device=ctx.device)
+            opts = {"mesh": mesh} if v == "fsdp2" else {"group": group}
+            if v == "ddp":
+                opts["log_comm"] = False
+            wrapped, opt = build(v, module, ctx, **opts)
+            harness.train_steps(ctx, wrapped, opt, data, steps=1, global_batch_size=global_batch_size,
+                                dp_rank=dist.get_rank(group), dp=d, dp_group=group, record=False)
+            rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **model_state_bytes(wrapped, opt),
+                         "optimizer_steps": harness.optimizer_step_bytes(opt)})
+            if hasattr(wrapped, "close"):
+                wrapped.close()
+    return rows
+
+
+def chapter_rank(ctx, runs: list[dict] | None = None, *, degrees=None, memory_variants=VARIANTS, **kwargs) -> dict:
+    """Rank function for chapter 04, one launch: the variants trained side by side (:func:`run_rank` with
+    ``runs`` and ``kwargs``) and model-state bytes per degree (:func:`memory_rank`).
+    Returns {"runs": [...], "memory": [...]}."""
+    out = {"runs": run_rank(ctx, runs, **kwargs)}
+    out["memory"] = memory_rank(ctx, degrees, memory_variants, model=kwargs.get("model", "lab-tiny-llama"),
+                                seq_len=kwargs.get("seq_len", 32))
+    return out
+
+
+def root_params(spec) -> int:
+    """Parameters of the root unit (everything outside the layers): embeddings, final norm, output head."""
+    return spec.embedding_params() + spec.norm_params() + spec.head_params()
+
+
+def predicted_table(model: str, degrees, variants=VARIANTS) -> pd.DataFrame:
+    """Predicted model-state bytes per rank for each (degree, variant), from the lab's calculator:
+    ``labkit.memory.train_memory`` with ``ParallelConfig(dp=degree, zero=stage)`` and convention "torch-fp32"
+    (Rajbhandari et al. 2020, Figure 1, with 4 + 4 + 8 bytes per parameter and AdamW's 4-byte step counter
+    per parameter tensor). Columns ``degree``, ``variant``, ``stage``, ``parameters``, ``gradients``,
+    ``optimizer``, ``optimizer_steps`` (the step counters inside ``optimizer``), ``model_states``.
+    Raises ValueError for an unknown model or variant."""
+    from labkit import memory
+    from labkit.spec import get_spec
+
+    spec = get_spec(model)
+    train = memory.TrainConfig(convention="torch-fp32", seq_len=min(32, spec.max_seq_len))
+    steps = memory.get_convention("torch-fp32").step_bytes * len(memory.param_tensors(spec))
+    rows = []
+    for d in degrees:
+        for v in variants:
+            check_choice("variant", v, VARIANTS)
+            est = memory.train_memory(spec, memory.ParallelConfig(dp=d, zero=STAGE_OF[v]), train, headroom=0.0,
+                                      workspace_bytes=0)
+            b = {k: est.categories[k] for k in ("parameters", "gradients", "optimizer")}
+            rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **b, "optimizer_steps": steps,
+                         "model_states": sum(b.values())})
+    return pd.DataFrame(rows)
+
+
+def comm_table(results, model: str) -> pd.DataFrame:
+    """Measured bytes per rank per step by collective for every run of a :func:`run_rank` /
+    :func:`chapter_rank` launch, beside :func:`predicted_comm_bytes` (with the root unit kept gathered).
+    Columns: ``label``, ``op``, ``calls`` (measured, per step), ``measured_bytes``, ``predicted_bytes``."""
+    from labkit.spec import get_spec
+
+    spec = get_spec(model)
+    runs = harness._runs(results)
+    n = len(runs)
+    rows = []
+    for r in runs[0]:
+        m = r.get("n_microbatches", 1)
+        pred = predicted_comm_bytes(STAGE_OF[r["variant"]], n, spec.n_params(), root_params=root_params(spec),
+                                    n_microbatches=m)
+        for op in sorted(set(pred) | set(r["comm"])):
+            c = r["comm"].get(op, {"calls": 0.0, "bytes_per_rank": 0.0})
+            rows.append({"label": r["label"], "op": op, "calls": c["calls"], "measured_bytes": c["bytes_per_rank"],
+                         "predicted_bytes": pred.get(op, 0.0)})
+    return pd.DataFrame(rows)

@@ -1,0 +1,188 @@
+"""Sharded data parallelism (labkit.parallel.zero) on gloo: ZeRO-1/2/3 from scratch and FSDP2 against the
+single-process reference, replicas identical, model-state bytes per rank and communication bytes equal
+to theory, and the FSDP2 wrong-device field case.
+
+Two launches (2 and 4 ranks); each checks several variants. Tolerance: labkit.models.TOLERANCES[fp32].
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import launch
+from labkit.models import TOLERANCES, build_model, train_reference
+from labkit.parallel import harness, zero
+from labkit.spec import get_spec
+
+MODEL = "lab-tiny-llama"
+STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
+RUNS_2 = [{"variant": v} for v in zero.VARIANTS] + [
+    {"variant": "zero1", "n_microbatches": 2, "label": "zero1-acc"},
+    {"variant": "zero2", "n_microbatches": 2, "label": "zero2-acc"},
+    {"variant": "zero3", "n_microbatches": 2, "label": "zero3-acc"},
+    {"variant": "fsdp2", "n_microbatches": 2, "label": "fsdp2-acc"},
+    {"variant": "zero1", "n_microbatches": 2, "sync_microbatch": 0, "label": "zero1-wrong-sync"},
+]
+RUNS_4 = [{"variant": v} for v in zero.VARIANTS] + [{"variant": "zero3", "n_microbatches": 2, "label": "zero3-acc"}]
+
+
+def rank_fn(ctx, runs):
+    """Test rank function: the variants, then the FSDP2 wrong-device field case on a real gloo group (a model
+    whose parameters are on the meta device must give ValueError, not a crash)."""
+    out = zero.run_rank(ctx, runs, model=MODEL, steps=STEPS, global_batch_size=GLOBAL_BATCH, seq_len=SEQ)
+    errors = []
+    try:
+        zero.fsdp2(_meta_model(), ctx)
+    except ValueError as e:
+        errors.append(str(e))
+    return {"runs": out, "errors": errors}
+
+
+def _meta_model():
+    from labkit.models import Transformer
+
+    with torch.device("meta"):
+        return Transformer(get_spec(MODEL))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_reference(MODEL, steps=STEPS, global_batch_size=GLOBAL_BATCH, seq_len=SEQ)
+
+
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=["2ranks", "4ranks"])
+def launched(request):
+    n = request.param
+    return n, launch(rank_fn, n, RUNS_2 if n == 2 else RUNS_4, timeout_s=300)
+
+
+def _by_label(res):
+    runs = [r["runs"] for r in res]
+    return {runs[0][i]["label"]: [rr[i] for rr in runs] for i in range(len(runs[0]))}
+
+
+def check_run(per_rank: list[dict], ref: dict) -> None:
+    label = per_rank[0]["label"]
+    harness.assert_ranks_identical([r["state"] for r in per_rank], f"{label} weights")
+    harness.assert_state_close(per_rank[0]["state"], ref["state_dict"], torch.float32, f"{label} weights")
+    torch.testing.assert_close(per_rank[0]["losses"], ref["losses"], **TOLERANCES[torch.float32])
+
+
+def test_parity_with_reference_and_replicas_identical(launched, reference):
+    n, res = launched
+    for label, per_rank in _by_label(res).items():
+        if "wrong" not in label:
+            check_run(per_rank, reference)
+
+
+def test_zero1_wrong_sync_microbatch_is_caught(launched, reference):
+    """ZeRO-1's all-gather keeps replicas identical even with the sync on the wrong micro-batch, so only the
+    comparison with the reference can catch it: it must."""
+    n, res = launched
+    if n != 2:
+        pytest.skip("run at 2 ranks only")
+    per_rank = _by_label(res)["zero1-wrong-sync"]
+    harness.assert_ranks_identical([r["state"] for r in per_rank])
+    with pytest.raises(AssertionError):
+        check_run(per_rank, reference)
+
+
+def test_model_state_bytes_equal_calculator(launched):
+    """Measured (labkit.measure, live tensors) = predicted (labkit.memory, convention "torch-fp32":
+    Rajbhandari et al. 2020 Figure 1 with 4 + 4 + 8 bytes per parameter) for every stage, on every rank, to
+    the byte. AdamW's 4-byte step counters are one per parameter tensor for DDP and FSDP2 (as the calculator
+    assumes) but one per flat unit for the lab's ZeRO, so they are compared apart."""
+    n, res = launched
+    predicted = zero.predicted_table(MODEL, [n]).set_index("variant")
+    n_units = get_spec(MODEL).n_layers + 1
+    for label, per_rank in _by_label(res).items():
+        v = per_rank[0]["variant"]
+        pred = predicted.loc[v]
+        for r in per_rank:
+            got = r["memory"]
+            assert got["parameters"] == pred["parameters"], label
+            assert got["gradients"] == pred["gradients"], label
+            assert got["optimizer"] - r["optimizer_steps"] == pred["optimizer"] - pred["optimizer_steps"], label
+            if v in ("ddp", "fsdp2"):
+                assert got["optimizer"] == pred["optimizer"], label
+            else:
+                assert r["optimizer_steps"] == 4 * n_units, label
+
+
+def test_comm_bytes_equal_theory(launched):
+    """Bytes per rank per step, per collective, equal predicted_comm_bytes; ZeRO-3 (and FSDP2) send
+    (3Ψ - Ψ_root)/(2Ψ) times DDP's bytes, i.e. between 1x and the paper's 1.5x."""
+    n, res = launched
+    spec = get_spec(MODEL)
+    psi = spec.n_params()
+    root = zero.root_params(spec)  # embeddings, final norm, head: gathered once per micro-batch
+    for label, per_rank in _by_label(res).items():
+        r0 = per_rank[0]
+        pred = zero.predicted_comm_bytes(STAGE[r0["variant"]], n, psi, root_params=root,
+                                         n_microbatches=2 if "acc" in label else 1)
+        got = {op: c["bytes_per_rank"] for op, c in r0["comm"].items()}
+        assert got == pytest.approx(pred, rel=1e-9), label
+    by = _by_label(res)
+    ratio = by["zero3"][0]["comm_bytes_per_step"] / by["ddp"][0]["comm_bytes_per_step"]
+    assert ratio == pytest.approx((3 * psi - root) / (2 * psi))
+    assert 1.0 < ratio < 1.5
+    assert by["fsdp2"][0]["comm_bytes_per_step"] == pytest.approx(by["zero3"][0]["comm_bytes_per_step"])
+
+
+def test_fsdp2_wrong_device_is_a_clear_error(launched):
+    """Field case (pytorch/pytorch#132471): FSDP2 on a gloo group with parameters on a device gloo does not
+    serve must raise ValueError naming the parameter and the valid choices, not crash."""
+    n, res = launched
+    errors = res[0]["errors"]
+    assert len(errors) == 1
+    assert "parameter 'embed.weight' is on meta" in errors[0] and "'gloo'" in errors[0] and "'cpu'" in errors[0]
+
+
+# ------------------------------------------------------------------------------------------------------
+# no launch
+# ------------------------------------------------------------------------------------------------------
+def test_measure_counts_flat_zero_buffers_once():
+    """labkit.measure on the flat ZeRO layout (no process group needed, rank 0 of n = 2): stage 1 shards are
+    views of the flat parameters and gradients (counted once); stage 3 parameters live in a freed storage
+    between uses (counted 0), leaving the 1/n shard."""
+    from labkit.measure import model_state_bytes
+
+    for stage in (1, 3):
+        holder = torch.nn.Module()
+        holder.a, holder.b = torch.nn.Linear(4, 6), torch.nn.Linear(2, 2)  # 30 + 6 = 36 parameters
+        unit = zero._Unit("u", list(holder.named_parameters()), n=2, rank=0, stage=stage)
+        holder.shards = torch.nn.ParameterList([unit.shard])
+        unit.zero_grad()
+        assert unit.numel == unit.padded == 36
+        expected = 4 * 36 if stage == 1 else 4 * 18
+        assert model_state_bytes(holder) == {"parameters": expected, "gradients": expected, "optimizer": 0}
+
+
+def test_comm_formula():
+    base = sum(zero.predicted_comm_bytes(0, 8, 1000).values())
+    assert base == pytest.approx(2 * 7 / 8 * 4000)
+    assert sum(zero.predicted_comm_bytes(1, 8, 1000).values()) == pytest.approx(base)
+    assert sum(zero.predicted_comm_bytes(3, 8, 1000).values()) == pytest.approx(1.5 * base)
+    with pytest.raises(ValueError, match="stage=4"):
+        zero.predicted_comm_bytes(4, 8, 1000)
+
+
+def test_check_fsdp_devices_without_a_group():
+    model = build_model(MODEL)
+    zero.check_fsdp_devices(model, "cpu", "gloo")  # fine
+    with pytest.raises(ValueError, match="backend='nccl'"):
+        zero.check_fsdp_devices(model, "cpu", "nccl")
+    with pytest.raises(ValueError, match="device_type='cuda' does not match backend='gloo'"):
+        zero.check_fsdp_devices(model, "cuda", "gloo")
+    with pytest.raises(ValueError, match=r"parameter 'embed.weight' is on meta"):
+        zero.check_fsdp_devices(_meta_model(), "cpu", "gloo")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp2_gloo_with_cuda_parameters_raises():
+    """The field case exactly: a gloo group and parameters on CUDA."""
+    with pytest.raises(ValueError, match="is on cuda"):
+        zero.check_fsdp_devices(build_model(MODEL, device="cuda"), "cpu", "gloo")
+
