@@ -18,12 +18,13 @@ def result():
 
 def test_parity_with_the_reference(result):
     p = result.parity
-    assert set(p["run"]) == {"dp_tp (dp=2, tp=2)", "pp_dp (dp=2, pp=2)"}
+    assert set(p["run"]) == {"dp_tp (dp=2, tp=2)", "dp_tp_hand (dp=2, tp=2)", "pp_dp (dp=2, pp=2)"}
     assert set(p["what"]) == {"losses", "grads", "params"}
     assert p["ok"].all(), p[~p["ok"]].to_dict("records")
     n_params = len(result.runs[0][-1]["grads"])
     assert (p.loc[p["what"] != "losses", "tensors"] == n_params).all()  # every parameter compared
-    assert (p["rtol"] == 1e-4).all() and (p["atol"] == 1e-5).all()
+    assert (p["rtol"] == 1e-4).all() and (p.loc[p["what"] != "params", "atol"] == 1e-5).all()
+    assert list(p.loc[p["what"] == "params", "atol"]) == pytest.approx([1e-5 + 0.1 * 1e-3 * 2] * 3)
     ref = result.runs[0][-1]["losses"]
     assert ref[1] < ref[0]  # it trains
 
@@ -33,13 +34,18 @@ def test_mesh_groups_are_the_parallel_dims_groups(result):
     assert g["same"].all()
     tp = g[(g["run"] == "dp_tp (dp=2, tp=2)") & (g["dim"] == "tp")]
     assert sorted(map(tuple, tp["torch_group"])) == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    hand = g[(g["run"] == "dp_tp_hand (dp=2, tp=2)") & (g["dim"] == "dp")]
+    assert sorted(map(tuple, hand["torch_group"])) == [(0, 2), (0, 2), (1, 3), (1, 3)]
     pp = g[(g["run"] == "pp_dp (dp=2, pp=2)") & (g["dim"] == "pp")]
     assert sorted(map(tuple, pp["torch_group"])) == [(0, 2), (0, 2), (1, 3), (1, 3)]
 
 
 def test_measured_model_states_equal_the_calculator(result):
     m = result.memory
-    assert len(m) == 2 * 4 * 3 and m["equal"].all(), m[~m["equal"]].to_dict("records")
+    assert len(m) == 3 * 4 * 3 and m["equal"].all(), m[~m["equal"]].to_dict("records")
+    # replicated DP (hand-written) holds twice the model states of FSDP2 (ZeRO-3) over dp=2
+    per = m[m["rank"] == 0].set_index(["run", "category"])["measured_bytes"]
+    assert per[("dp_tp_hand (dp=2, tp=2)", "parameters")] == 2 * per[("dp_tp (dp=2, tp=2)", "parameters")]
     # PP x DP: the two stages hold different tensors (embedding vs final norm + head), so different bytes
     pp = m[(m["run"] == "pp_dp (dp=2, pp=2)") & (m["category"] == "parameters")]
     assert pp.groupby("stage")["measured_bytes"].first().nunique() == 2
@@ -55,7 +61,7 @@ def test_compare_fails_on_a_wrong_result(result):
     bad = copy.deepcopy(result.runs)
     name = next(iter(bad[0][0]["grads"]))
     bad[0][0]["grads"][name] = bad[0][0]["grads"][name] + 1e-3  # one gradient off by 1e-3 in the DP x TP run
-    bad[1][1]["groups"]["pp"][0] = [0, 2]  # torch gives rank 1 a PP group it is not in
+    bad[1][2]["groups"]["pp"][0] = [0, 2]  # torch gives rank 1 a PP group it is not in
     parity, groups, _, memory = composed.compare(bad, "lab-tiny-llama")
     wrong = parity[~parity["ok"]]
     assert list(zip(wrong["run"], wrong["what"], strict=True)) == [("dp_tp (dp=2, tp=2)", "grads")]
