@@ -8,6 +8,8 @@
 * :func:`planner_panel` — model, GPUs, GPU kind, node size, sequence, global batch, ZeRO stage, assumed MFU:
   re-plans (labkit.planner.plan) on every change and shows the ranked meshes and their predicted step times.
 * :func:`plan_bars` — stacked bars of the predicted step time of the best meshes of a plan, by part.
+* :func:`grid_figure` — the rank grid of a :class:`labkit.mesh.ParallelDims`: one cell per rank, a row per
+  pipeline stage, coloured by node.
 
 Views only: no torch import; ipywidgets is imported when a panel is built, so the figures work without it.
 """
@@ -259,3 +261,35 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
     box.plan = lambda: state["plan"]
     box.figure = lambda: state["fig"]
     return box
+
+
+def grid_figure(dims, gpus_per_node: int | None = None, *, title: str | None = None, height: int | None = None):
+    """The rank grid of ``dims`` (a :class:`labkit.mesh.ParallelDims`): a row per pipeline stage, a column per
+    (dp, cp, tp) position in rank order, each cell labelled with its rank and coloured by node (with
+    ``gpus_per_node``; else by dp index); the hover lists the rank's coordinates and its TP / CP / DP / PP
+    groups."""
+    width = dims.world_size // dims.pp
+    groups = {d: {r: g for g in dims.groups(d) for r in g} for d in ("tp", "cp", "dp", "pp")}
+    z, text, hover = [], [], []
+    for stage in range(dims.pp):
+        zr, tr, hr = [], [], []
+        ranks = sorted(r for r in range(dims.world_size) if dims.coords(r)["pp"] == stage)
+        for r in ranks:
+            c = dims.coords(r)
+            zr.append(r // gpus_per_node if gpus_per_node else c["dp"])
+            tr.append(str(r))
+            hr.append(f"rank {r}" + (f", node {r // gpus_per_node}" if gpus_per_node else "") + "<br>"
+                      + ", ".join(f"{d}={c[d]}" for d in ("pp", "dp", "cp", "tp")) + "<br>"
+                      + "<br>".join(f"{d.upper()} group {groups[d][r]}" for d in ("tp", "cp", "dp", "pp")
+                                    if dims.degree(d) > 1))
+        z.append(zr)
+        text.append(tr)
+        hover.append(hr)
+    fig = go.Figure(go.Heatmap(z=z, text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text",
+                               colorscale="Teal" if gpus_per_node else "Blues", showscale=False, xgap=3, ygap=3))
+    fig.update_layout(title=title or f"Rank grid: {dims} ({'-'.join(dims.order)}, innermost first)"
+                      + (f"; colour = node of {gpus_per_node}" if gpus_per_node else "; colour = dp index"),
+                      xaxis_title="position in the stage (rank order: tp fastest)", yaxis_title="pipeline stage",
+                      yaxis={"autorange": "reversed", "dtick": 1}, xaxis={"dtick": 1},
+                      height=height or 160 + 60 * dims.pp, width=max(420, 60 * width + 160))
+    return fig

@@ -243,3 +243,13 @@ def test_predict_modules_do_not_import_torch():
             "global_batch_size=8); assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_grid_figure_cells_are_ranks():
+    from labkit.widgets import grid_figure
+
+    fig = grid_figure(ParallelDims(32, dp=2, tp=4, pp=4), gpus_per_node=8)
+    heat = fig.data[0]
+    assert [list(map(int, row)) for row in heat.text] == [list(range(8 * s, 8 * s + 8)) for s in range(4)]
+    assert [list(row) for row in heat.z] == [[s] * 8 for s in range(4)]  # one node per stage here
+    assert "PP group [3, 11, 19, 27]" in heat.hovertext[1][3]
