@@ -45,7 +45,8 @@ import torch.nn as nn
 from labkit.checks import check_choice, check_divides, positive_int
 from labkit.measure import model_state_bytes
 from labkit.mesh import ParallelDims
-from labkit.models import SyntheticLM, Transformer, build_model, lm_loss, make_optimizer, shard, train_reference
+from labkit.models import SyntheticLM, Transformer, build_model, lm_loss, make_optimizer, train_reference
+from labkit.parallel.harness import local_batch, train_steps
 from labkit.spec import ModelSpec, get_spec
 
 KINDS = ("dp_tp", "dp_tp_hand", "pp_dp")
@@ -160,7 +161,6 @@ def _mesh_groups(mesh, dims: ParallelDims, rank: int) -> dict:
 def _dp_tp(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr, seed, data_seed) -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    coords = dims.coords(ctx.rank)
     # the gathered logits are a view; lm_loss never writes to them in place, so FSDP's warning does not apply
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model = build_model(spec, seed, device=ctx.device)
@@ -169,66 +169,59 @@ def _dp_tp(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr, seed
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     opt = make_optimizer(model.parameters(), lr)
-    data = SyntheticLM(spec.vocab_size, seq_len, data_seed)
-    dp_group = mesh.get_group("dp")
-    losses, step_s = [], []
-    for step in range(steps):
-        tokens, targets = data.batch(step, global_batch_size)
-        tk = shard(tokens, coords["dp"], dims.dp).to(ctx.device)
-        tg = shard(targets, coords["dp"], dims.dp).to(ctx.device)
-        ctx.barrier()
-        t0 = time.perf_counter()
-        with ctx.timer("dp_tp step", "compute", step=step):
-            opt.zero_grad(set_to_none=True)
-            loss = lm_loss(model(tk), tg)
-            loss.backward()
-            opt.step()
-        step_s.append(time.perf_counter() - t0)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=dp_group)
-        losses.append(float(mean) / dims.dp)
-    measured = model_state_bytes(model, opt)
+    res = _train(ctx, dims, mesh, model, opt, spec, steps=steps, global_batch_size=global_batch_size, seq_len=seq_len,
+                 data_seed=data_seed)
     params = {n: _full(p) for n, p in model.named_parameters()}  # collectives: every rank calls them
     grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-    keep = ctx.rank == 0
-    return {"losses": losses, "step_s": step_s, "model_states": measured, "stage": 0,
-            "params": params if keep else None, "grads": grads if keep else None}
+    return _result(ctx, res, model, opt, params, grads, keep=ctx.rank == 0)
+
+
+class _TPInDP:
+    """The harness wrapper protocol (labkit.parallel.harness) for a hand-written TP model inside a hand-written
+    DP wrapper: forward through the DP wrapper; after each backward, the DP average (buckets launched during
+    backward) and then the sum of TP-partial gradients (none without SP / replicated kv heads)."""
+
+    def __init__(self, dpm, tpm, tp_group):
+        self.dpm, self.module, self.tp_group = dpm, tpm, tp_group
+
+    def __call__(self, tokens):
+        return self.dpm(tokens)
+
+    def finish_grad_sync(self) -> None:
+        from labkit.parallel.tensor import finalize_grads
+
+        self.dpm.finish_grad_sync()
+        finalize_grads(self.module, self.tp_group)
 
 
 def _dp_tp_hand(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr, seed, data_seed) -> dict:
     from labkit.parallel.data import DataParallelBucket
-    from labkit.parallel.tensor import apply_tp, finalize_grads, gather_full
+    from labkit.parallel.tensor import apply_tp, gather_full
 
-    coords = dims.coords(ctx.rank)
-    tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+    tp_group = mesh.get_group("tp")
     tpm = apply_tp(build_model(spec, seed, device=ctx.device), tp_group)
-    dpm = DataParallelBucket(tpm, ctx, group=dp_group)
+    dpm = DataParallelBucket(tpm, ctx, group=mesh.get_group("dp"))
     opt = make_optimizer(tpm.parameters(), lr)
-    data = SyntheticLM(spec.vocab_size, seq_len, data_seed)
-    losses, step_s = [], []
-    for step in range(steps):
-        tokens, targets = data.batch(step, global_batch_size)
-        tk = shard(tokens, coords["dp"], dims.dp).to(ctx.device)
-        tg = shard(targets, coords["dp"], dims.dp).to(ctx.device)
-        ctx.barrier()
-        t0 = time.perf_counter()
-        with ctx.timer("dp_tp_hand step", "compute", step=step):
-            opt.zero_grad(set_to_none=True)
-            loss = tpm.loss(dpm(tk), tg)
-            loss.backward()
-            dpm.finish_grad_sync()  # average over DP (buckets launched during backward)
-            finalize_grads(tpm, tp_group)  # sum the TP-partial gradients (none without SP / replicated kv)
-            opt.step()
-        step_s.append(time.perf_counter() - t0)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=dp_group)
-        losses.append(float(mean) / dims.dp)
-    measured = model_state_bytes(tpm, opt)
+    res = _train(ctx, dims, mesh, _TPInDP(dpm, tpm, tp_group), opt, spec, steps=steps,
+                 global_batch_size=global_batch_size, seq_len=seq_len, data_seed=data_seed, loss_fn=tpm.loss)
     params = gather_full(tpm, "param", tp_group)  # collectives over TP: every rank calls them
     grads = gather_full(tpm, "grad", tp_group)
     dpm.close()
-    keep = ctx.rank == 0
-    return {"losses": losses, "step_s": step_s, "model_states": measured, "stage": 0,
+    return _result(ctx, res, tpm, opt, params, grads, keep=ctx.rank == 0)
+
+
+def _train(ctx, dims, mesh, model, opt, spec, *, steps, global_batch_size, seq_len, data_seed, loss_fn=lm_loss):
+    """:func:`labkit.parallel.harness.train_steps` on this rank's DP shard of every global batch."""
+    return train_steps(ctx, model, opt, SyntheticLM(spec.vocab_size, seq_len, data_seed), steps=steps,
+                       global_batch_size=global_batch_size, dp_rank=dims.coords(ctx.rank)["dp"], dp=dims.dp,
+                       dp_group=mesh.get_group("dp"), loss_fn=loss_fn, grad_params=[])
+
+
+def _result(ctx, res, module, opt, params, grads, *, keep: bool, stage: int = 0, losses=True) -> dict:
+    """One run's per-rank result: losses, measured step seconds, measured model states, and (``keep``) the
+    gathered full params / grads."""
+    return {"losses": res["losses"] if losses else None, "step_s": res["step_s"], "stage": stage,
+            "model_states": model_state_bytes(module, opt),
             "params": params if keep else None, "grads": grads if keep else None}
 
 
@@ -250,11 +243,9 @@ def _pp_dp(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr, seed
     opt = make_optimizer(module.parameters(), lr)
     data = SyntheticLM(spec.vocab_size, seq_len, data_seed)
     losses, step_s = [], []
+    ctx.barrier()
     for step in range(steps):
-        tokens, targets = data.batch(step, global_batch_size)
-        tk = shard(tokens, coords["dp"], dims.dp).to(ctx.device)
-        tg = shard(targets, coords["dp"], dims.dp).to(ctx.device)
-        ctx.barrier()
+        tk, tg = (t.to(ctx.device) for t in local_batch(data, step, global_batch_size, coords["dp"], dims.dp))
         t0 = time.perf_counter()
         with ctx.timer("pp_dp step", "compute", step=step, stage=stage_idx):
             opt.zero_grad(set_to_none=True)
@@ -266,16 +257,15 @@ def _pp_dp(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr, seed
             opt.step()
         step_s.append(time.perf_counter() - t0)
         if module.last:
-            mean = torch.stack([x.detach() for x in mb_losses]).mean()
-            dist.all_reduce(mean, group=mesh.get_group("dp"))
-            losses.append(float(mean) / dims.dp)
-    measured = model_state_bytes(module, opt)
-    params = {n: _full(p) for n, p in module.named_parameters()}
+            losses.append(torch.stack([x.detach() for x in mb_losses]).mean())
+    if module.last:  # the global mean loss per step, over the last stage's DP group
+        lt = torch.stack(losses).double()
+        dist.all_reduce(lt, group=mesh.get_group("dp"))
+        losses = (lt / dims.dp).tolist()
+    params = {n: _full(p) for n, p in module.named_parameters()}  # collectives over DP
     grads = {n: _full(p.grad) for n, p in module.named_parameters()}
-    keep = coords["dp"] == 0
-    return {"losses": losses if module.last else None, "step_s": step_s, "stage": stage_idx,
-            "model_states": measured,
-            "params": params if keep else None, "grads": grads if keep else None}
+    return _result(ctx, {"losses": losses, "step_s": step_s}, module, opt, params, grads, keep=coords["dp"] == 0,
+                   stage=stage_idx, losses=module.last)
 
 
 def composed_rank(ctx, runs=DEFAULT_RUNS, *, model: str | ModelSpec = "lab-tiny-llama", steps: int = 2,
@@ -288,8 +278,10 @@ def composed_rank(ctx, runs=DEFAULT_RUNS, *, model: str | ModelSpec = "lab-tiny-
     if not), trains ``steps`` AdamW steps of the lab model on the global batch (each DP rank its shard; pp_dp
     in ``n_microbatches`` micro-batches per DP rank), and returns one dict per run: ``kind``, ``dims``,
     ``coords``, ``groups`` ({dim: [torch ranks, ParallelDims ranks]}), ``losses`` (global mean per step, on
-    the ranks that have it), ``step_s`` (measured seconds per step, barrier-aligned), and on the ranks that
-    hold a full copy of their part (dp rank 0) ``params`` / ``grads`` (full tensors, last step's gradients).
+    the ranks that have it), ``step_s`` (measured seconds per step; the ranks start each run together after a
+    barrier), ``model_states`` (measured bytes), and on the ranks that hold a full copy of their part (dp
+    rank 0) ``params`` / ``grads`` (full tensors, last step's gradients). dp_tp and dp_tp_hand train with
+    :func:`labkit.parallel.harness.train_steps` (its timeline events land in ``ctx.timeline``).
     With ``reference`` rank 0 also returns the single-process reference as the last element
     (``{"kind": "reference", ...}``, :func:`labkit.models.train_reference`).
     """
@@ -436,7 +428,7 @@ def compare(per_rank: list[list[dict]], spec: ModelSpec | str = "lab-tiny-llama"
         steps = [s for r in rows for s in r["step_s"][1:]] or [s for r in rows for s in r["step_s"]]
         timing.append({"run": label, "step_s_median": float(torch.tensor(steps).median()),
                        "step_s_min": min(steps), "step_s_max": max(steps), "ranks": len(rows),
-                       "note": "measured, barrier-aligned, first step (warm-up) excluded"})
+                       "note": "measured, ranks started together, first step (warm-up) excluded"})
     timing.append({"run": "reference (1 process)", "step_s_median": ref["seconds"] / ref["steps"],
                    "step_s_min": None, "step_s_max": None, "ranks": 1,
                    "note": "measured, mean over all steps of train_reference"})
