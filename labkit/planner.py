@@ -355,6 +355,7 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
                          f"use a multiple of {topo.gpus_per_node}")
     check_choice("recompute", recompute, RECOMPUTE_CHOICES)
     check_choice("zero", zero, (0, 1, 2, 3))
+    headroom = positive_float("headroom", headroom, allow_zero=True)
     mfu = positive_float("mfu", mfu)
     if mfu > 1:
         raise ValueError(f"mfu={mfu} must be a fraction of peak in (0, 1]")
@@ -392,7 +393,6 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
             m = global_batch_size // (dims.dp * mbs)
             cand.n_microbatches = m
             sp = specs.setdefault(dims.tp, padded_spec(spec, dims.tp))
-            est = None
             for r in tries:
                 est = _memory(sp, dims, topo, seq_len=seq_len, mbs=mbs, m=m, recompute=r, zero=zero,
                               sp=sequence_parallel, headroom=headroom, convention=convention)
