@@ -82,7 +82,9 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
     try:
         papermill.execute_notebook(str(path), str(output), parameters=applied, kernel_name=kernel_name,
                                    execution_timeout=cell_timeout_s, cwd=str(path.parent), progress_bar=False,
-                                   log_output=False)
+                                   log_output=False,
+                                   # the kernel's own start-up chatter (e.g. ipykernel 7's TCP warning) is noise here
+                                   extra_arguments=["--IPKernelApp.log_level=ERROR"])
     except PapermillExecutionError as e:
         status = "failed"
         error = f"cell {e.exec_count}: {e.ename}: {e.evalue}".strip()

@@ -23,6 +23,7 @@ element, for Ψ parameters — :func:`predicted_allreduce_bytes`.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -287,14 +288,8 @@ def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None,
     return wrapped, make_optimizer(module.parameters(), lr)
 
 
-def _builder(variant):
-    def fn(module, ctx, **kw):
-        return build(variant, module, ctx, **kw)
-
-    return fn
-
-
-WRAPPERS = {v: _builder(v) for v in VARIANTS}
+#: variant -> builder ``fn(module, ctx, **options) -> (wrapped, optimizer)`` for harness.run_experiments
+WRAPPERS = {v: functools.partial(build, v) for v in VARIANTS}
 
 
 def run_rank(ctx, runs: list[dict] | None = None, **kwargs) -> list[dict]:

@@ -32,6 +32,7 @@ Communication per step: :func:`predicted_comm_bytes`.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pandas as pd
 import torch
@@ -428,14 +429,8 @@ def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None,
     return z, make_optimizer(z.optim_parameters(), lr)
 
 
-def _builder(variant):
-    def fn(module, ctx, **kw):
-        return build(variant, module, ctx, **kw)
-
-    return fn
-
-
-WRAPPERS = {v: _builder(v) for v in VARIANTS}
+#: variant -> builder ``fn(module, ctx, **options) -> (wrapped, optimizer)`` for harness.run_experiments
+WRAPPERS = {v: functools.partial(build, v) for v in VARIANTS}
 
 
 def run_rank(ctx, runs: list[dict] | None = None, **kwargs) -> list[dict]:
