@@ -458,9 +458,16 @@ def local_param_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 
     :meth:`ParamTensor.local_shape`): its layers, the embedding on the first stage, the final norm and head on
     the last (with tied embeddings and pp > 1 the last stage holds its own copy of the embedding, as in
     Megatron-LM), and of each MoE layer the n_experts/ep experts of expert-parallel rank ``ep_rank``."""
-    layers = set(stage_layers(spec.n_layers, parallel.pp, parallel.vpp, stage))
-    first, last = stage == 0, stage == parallel.pp - 1
-    per_ep = spec.n_experts // parallel.ep if spec.is_moe else 0
+    return list(_stage_tensors(spec, parallel.pp, parallel.vpp, parallel.ep, stage, ep_rank))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_tensors(spec: ModelSpec, pp: int, vpp: int, ep: int, stage: int, ep_rank: int) -> tuple[ParamTensor, ...]:
+    """:func:`local_param_tensors`, cached on what it depends on (the planner asks for the same stages of
+    many meshes)."""
+    layers = set(stage_layers(spec.n_layers, pp, vpp, stage))
+    first, last = stage == 0, stage == pp - 1
+    per_ep = spec.n_experts // ep if spec.is_moe else 0
     out = []
     for t in param_tensors(spec):
         if t.part == "embed":
@@ -471,7 +478,7 @@ def local_param_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 
             keep = t.layer in layers and (t.expert is None or t.expert // per_ep == ep_rank)
         if keep:
             out.append(t)
-    return out
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -849,14 +856,31 @@ def _shard(n: int, group: int, sharded: bool) -> int:
 
 def _model_states(tensors: Iterable[tuple[ParamTensor | None, tuple[int, ...]]], conv: Convention, optimizer: str,
                   zero: int, dense_group: int, expert_group: int) -> dict[str, int]:
-    """Bytes of parameters, gradients, optimizer state for (tensor, local shape) pairs under ZeRO ``zero``."""
-    out = {"parameters": 0, "gradients": 0, "optimizer": 0}
+    """Bytes of parameters, gradients, optimizer state for (tensor, local shape) pairs under ZeRO ``zero``.
+    Tensors of the same local shape and group (dense / expert) cost the same bytes, so each kind is
+    computed once and multiplied by its count (:func:`_kinds`, :func:`_kind_states`)."""
+    return dict(_kind_states(_kinds(tensors), conv, optimizer, zero, dense_group, expert_group))
+
+
+def _kinds(tensors) -> tuple[tuple[tuple[tuple[int, ...], bool], int], ...]:
+    """((local shape, is_expert), count) for (tensor, local shape) pairs."""
+    kinds: dict[tuple[tuple[int, ...], bool], int] = {}
     for t, shape in tensors:
+        key = (tuple(shape), t is not None and t.expert is not None)
+        kinds[key] = kinds.get(key, 0) + 1
+    return tuple(kinds.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind_states(kinds, conv: Convention, optimizer: str, zero: int, dense_group: int,
+                 expert_group: int) -> tuple[tuple[str, int], ...]:
+    """:func:`_model_states` of grouped tensors, as ((category, bytes), ...) (cached: the middle pipeline
+    stages of a model hold the same kinds)."""
+    out = {"parameters": 0, "gradients": 0, "optimizer": 0}
+    for (shape, is_expert), count in kinds:
         n = math.prod(shape)
-        g = expert_group if (t is not None and t.expert is not None) else dense_group
-        out["parameters"] += nbytes(_shard(n, g, zero >= 3), conv.param_bits)
-        out["gradients"] += nbytes(_shard(n, g, zero >= 2), conv.grad_bits)
-        out["gradients"] += nbytes(_shard(n, g, zero >= 1), conv.grad_fp32_bits)
+        g = expert_group if is_expert else dense_group
+        grads = nbytes(_shard(n, g, zero >= 2), conv.grad_bits) + nbytes(_shard(n, g, zero >= 1), conv.grad_fp32_bits)
         opt = nbytes(_shard(n, g, zero >= 1), conv.master_bits)
         if optimizer == "adafactor":  # factored second moment (Shazeer & Stern 2018): rows + cols per matrix
             states = shape[0] + shape[1] if len(shape) == 2 else n
@@ -864,8 +888,10 @@ def _model_states(tensors: Iterable[tuple[ParamTensor | None, tuple[int, ...]]],
         else:
             opt += _N_STATES[optimizer] * nbytes(_shard(n, g, zero >= 1), conv.state_bits)
             opt += conv.step_bytes if optimizer == "adamw" else 0
-        out["optimizer"] += opt
-    return out
+        out["parameters"] += count * nbytes(_shard(n, g, zero >= 3), conv.param_bits)
+        out["gradients"] += count * grads
+        out["optimizer"] += count * opt
+    return tuple(out.items())
 
 
 def _finish(cats: dict[str, int], headroom: float) -> dict[str, int]:
@@ -951,23 +977,60 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
     assumptions = _train_assumptions(conv, train, parallel, headroom, workspace, bucket_bytes)
     assumptions["in_flight_microbatches"] = in_flight_microbatches(parallel.schedule, parallel.pp,
                                                                    train.n_microbatches, parallel.vpp, stage)
-    return MemoryEstimate("train", cats, spec.n_params(), n_local, assumptions, stage, per_stage,
+    return MemoryEstimate("train", cats, _n_params(spec), n_local, assumptions, stage, per_stage,
                           dev["name"] if dev else None, dev["memory_bytes"] if dev else None, details)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_shapes(spec: ModelSpec, pp: int, vpp: int, ep: int, stage: int, tp: int):
+    """For pipeline rank ``stage`` (expert rank 0): its tensors grouped by :func:`_kinds`, their total numel,
+    and the numel of its biggest layer (cached: the planner asks for the same stages of many meshes)."""
+    pairs = tuple((x, x.local_shape(tp)) for x in _stage_tensors(spec, pp, vpp, ep, stage, 0))
+    layer_local: dict[int, int] = {}
+    for x, shp in pairs:
+        if x.layer is not None:
+            layer_local[x.layer] = layer_local.get(x.layer, 0) + math.prod(shp)
+    return _kinds(pairs), sum(math.prod(s) for _, s in pairs), max(layer_local.values(), default=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _n_params(spec: ModelSpec) -> int:
+    return spec.n_params()
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_activation_bytes(spec: ModelSpec, train: TrainConfig, parallel: ParallelConfig, moe: bool) -> int:
+    """:func:`activation_bytes_per_layer` of the dense (``moe`` False) or MoE layers: all layers of a kind save
+    the same bytes."""
+    layer = next(i for i in range(spec.n_layers) if spec.is_moe_layer(i) == moe)
+    return activation_bytes_per_layer(spec, train, parallel, layer=layer)
+
+
+@functools.lru_cache(maxsize=1024)
+def _edge_bytes(spec: ModelSpec, train: TrainConfig, parallel: ParallelConfig) -> tuple[int, int]:
+    """(first-stage, last-stage) bytes of :func:`edge_activation_items`."""
+    edges = edge_activation_items(spec, train, parallel)
+    return (sum(i.nbytes for i in edges if i.where == "first_stage"),
+            sum(i.nbytes for i in edges if i.where == "last_stage"))
 
 
 def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, e, workspace, headroom, bucket_bytes):
     t, sp = parallel.tp, parallel.sequence_parallel
-    tensors = local_param_tensors(spec, parallel, stage)
-    pairs = [(x, x.local_shape(t)) for x in tensors]
-    cats = _model_states(pairs, conv, train.optimizer, parallel.zero, dense_group, expert_group)
-    n_local = sum(math.prod(s) for _, s in pairs)
+    kinds, n_local, biggest_layer = _stage_shapes(spec, parallel.pp, parallel.vpp, parallel.ep, stage, t)
+    cats = dict(_kind_states(kinds, conv, train.optimizer, parallel.zero, dense_group, expert_group))
     layers = stage_layers(spec.n_layers, parallel.pp, parallel.vpp, stage)
     first, last = stage == 0, stage == parallel.pp - 1
     fly = in_flight_microbatches(parallel.schedule, parallel.pp, train.n_microbatches, parallel.vpp, stage)
-    per_layer = {i: activation_bytes_per_layer(spec, train, parallel, layer=i) for i in layers}
-    edges = edge_activation_items(spec, train, parallel)
-    first_b = sum(i.nbytes for i in edges if i.where == "first_stage") if first else 0
-    last_b = sum(i.nbytes for i in edges if i.where == "last_stage") if last else 0
+    by_kind: dict[bool, int] = {}  # every dense layer saves the same bytes, and every MoE layer
+    per_layer = {}
+    for i in layers:
+        kind = spec.is_moe_layer(i)
+        if kind not in by_kind:
+            by_kind[kind] = _layer_activation_bytes(spec, train, parallel, kind)
+        per_layer[i] = by_kind[kind]
+    edge_first, edge_last = _edge_bytes(spec, train, parallel)
+    first_b = edge_first if first else 0
+    last_b = edge_last if last else 0
     cats["activations"] = int(round(sum(per_layer.values()) * fly + first_b * fly + last_b))
     n = train.micro_batch_size * train.seq_len // parallel.cp
     h = spec.hidden_size
@@ -978,13 +1041,10 @@ def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, 
         temp += int(n * spec.vocab_size * 4 / t)  # gradient of the fp32 logits
     if train.recompute == "full":
         full = replace(train, recompute="none")
-        temp += max(activation_bytes_per_layer(spec, full, parallel, layer=i) for i in layers)
+        kinds = {spec.is_moe_layer(i): i for i in layers}.values()
+        temp += max(activation_bytes_per_layer(spec, full, parallel, layer=i) for i in kinds)
     if parallel.zero >= 3 and dense_group > 1:
-        layer_local = {}
-        for x, shp in pairs:
-            if x.layer is not None:
-                layer_local[x.layer] = layer_local.get(x.layer, 0) + math.prod(shp)
-        biggest = max(layer_local.values(), default=0)
+        biggest = biggest_layer
         temp += 2 * nbytes(biggest, conv.param_bits) + nbytes(biggest, max(conv.grad_bits, 16))
     cats["temporary"] = temp
     # communication buffers

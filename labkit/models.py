@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.checks import check_choice, positive_float, positive_int
-from labkit.spec import ModelSpec, get_spec
+from labkit.spec import ModelSpec, flops_per_token, get_spec
 
 ATTENTION_KINDS = ("sdpa", "eager")
 
@@ -393,23 +393,6 @@ def train_reference(spec: ModelSpec | str, *, steps: int, global_batch_size: int
 # ------------------------------------------------------------------------------------------------------
 # throughput and MFU
 # ------------------------------------------------------------------------------------------------------
-def flops_per_token(spec: ModelSpec, seq_len: int, training: bool = True) -> float:
-    """Model FLOPs per token: ``6·N + 12·L·n_heads·head_dim·T`` for training (forward + backward),
-    a third of that for a forward pass alone.
-
-    Source: PaLM (Chowdhery et al. 2022), Appendix B (MFU): N is the parameter count excluding the input
-    embedding lookup (the output head is a matmul and counts), the second term the attention score and
-    value matmuls over the full T x T matrix (causal masking not subtracted, as in PaLM). MoE: N counts only
-    the top_k active experts.
-    """
-    seq_len = positive_int("seq_len", seq_len)
-    n = spec.n_active_params() - spec.embedding_params()
-    if spec.tied_embeddings:
-        n += spec.vocab_size * spec.hidden_size  # the head matmul still happens with tied weights
-    fwd_bwd = 6 * n + 12 * spec.n_layers * spec.n_heads * spec.head_dim * seq_len
-    return float(fwd_bwd if training else fwd_bwd / 3)
-
-
 def measure_matmul_peak(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024,
                         repeats: int = 5) -> float:
     """Measured dense matmul throughput (FLOP/s) of an n x n x n product on ``device``: the best of

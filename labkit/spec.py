@@ -1,7 +1,9 @@
 """ModelSpec: the shape of a decoder-only transformer, shared by the predict side (memory, planner) and the
 run side (labkit.models builds a torch module from the same spec). Pure Python, no torch.
 
-Presets live in ``data/models.yaml``, each with the public source of its configuration.
+Presets live in ``data/models.yaml``, each with the public source of its configuration. :func:`flops_per_token`
+(PaLM Appendix B) lives here so the predict modules (planner) can use it without importing torch;
+``labkit.models`` re-exports it.
 """
 
 from __future__ import annotations
@@ -198,3 +200,20 @@ def get_spec(name: str, **overrides) -> ModelSpec:
         raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(sorted(table))}")
     spec = table[name]
     return spec.replace(**overrides) if overrides else spec
+
+
+def flops_per_token(spec: ModelSpec, seq_len: int, training: bool = True) -> float:
+    """Model FLOPs per token: ``6·N + 12·L·n_heads·head_dim·T`` for training (forward + backward),
+    a third of that for a forward pass alone.
+
+    Source: PaLM (Chowdhery et al. 2022), Appendix B (MFU): N is the parameter count excluding the input
+    embedding lookup (the output head is a matmul and counts), the second term the attention score and
+    value matmuls over the full T x T matrix (causal masking not subtracted, as in PaLM). MoE: N counts only
+    the top_k active experts.
+    """
+    seq_len = positive_int("seq_len", seq_len)
+    n = spec.n_active_params() - spec.embedding_params()
+    if spec.tied_embeddings:
+        n += spec.vocab_size * spec.hidden_size  # the head matmul still happens with tied weights
+    fwd_bwd = 6 * n + 12 * spec.n_layers * spec.n_heads * spec.head_dim * seq_len
+    return float(fwd_bwd if training else fwd_bwd / 3)

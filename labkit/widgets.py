@@ -5,8 +5,13 @@
 * :func:`memory_bars` — stacked bars of one or more budgets (predicted, or measured: the caller labels them).
 * :func:`measured_vs_predicted` — per category, measured beside predicted, grouped bars.
 
-Other panels (the planner) are added here by their chapters. Views only: no torch import; ipywidgets is
-imported when a panel is built, so the figures work without it.
+* :func:`planner_panel` — model, GPUs, GPU kind, node size, sequence, global batch, ZeRO stage, assumed MFU:
+  re-plans (labkit.planner.plan) on every change and shows the ranked meshes and their predicted step times.
+* :func:`plan_bars` — stacked bars of the predicted step time of the best meshes of a plan, by part.
+* :func:`grid_figure` — the rank grid of a :class:`labkit.mesh.ParallelDims`: one cell per rank, a row per
+  pipeline stage, coloured by node.
+
+Views only: no torch import; ipywidgets is imported when a panel is built, so the figures work without it.
 """
 
 from __future__ import annotations
@@ -153,3 +158,138 @@ def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb",
     box.estimate = lambda: state["est"]
     box.figure = lambda: state["fig"]
     return box
+
+
+#: one colour per part of a predicted step (labkit.planner.TIME_PARTS)
+TIME_COLORS = {"compute_s": "#4C78A8", "bubble_s": "#BAB0AC", "tp_s": "#F58518", "cp_s": "#72B7B2",
+               "ep_s": "#B279A2", "pp_s": "#54A24B", "dp_s": "#E45756"}
+
+
+def plan_bars(plan, *, top: int = 10, title: str | None = None, height: int = 420) -> go.Figure:
+    """Stacked bars of the *predicted* step time of the ``top`` best meshes of ``plan`` (a
+    :class:`labkit.planner.Plan`), one segment per part (compute, bubble, TP, CP, EP, PP, exposed DP), the
+    rank and mesh on the x axis; the hover gives the peak memory and the predicted MFU."""
+    from labkit.planner import PART_NAMES, TIME_PARTS
+
+    cands = plan.candidates[:top]
+    labels = [f"#{c.rank} dp{c.dp} tp{c.tp} pp{c.pp} cp{c.cp}" + (f" ep{c.ep}" if c.ep > 1 else "") for c in cands]
+    extra = [[c.peak_bytes_per_gpu / mem.GiB, c.predicted_mfu, c.recompute] for c in cands]
+    fig = go.Figure()
+    for part in TIME_PARTS:
+        ys = [c.parts[part] for c in cands]
+        if not any(ys):
+            continue
+        fig.add_trace(go.Bar(name=PART_NAMES[part], x=labels, y=ys, marker_color=TIME_COLORS[part], customdata=extra,
+                             hovertemplate=f"{PART_NAMES[part]}: %{{y:.4g}} s<br>peak %{{customdata[0]:.1f}} GiB, "
+                                           "MFU %{customdata[1]:.1%}, recompute %{customdata[2]}<extra>%{x}</extra>"))
+    i = plan.inputs
+    fig.update_layout(barmode="stack", height=height, yaxis_title="seconds per step (predicted)", legend_title="part",
+                      title=title or f"Predicted step time, {i['model']} on {i['gpus']} x {i['gpu']}")
+    return fig
+
+
+def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h100-80gb", top: int = 8,
+                  **defaults):
+    """An ipywidgets panel over :func:`labkit.planner.plan`: pick the model, GPUs, GPU kind, GPUs per node,
+    sequence length, global batch (sequences), ZeRO stage and assumed MFU; every change re-plans (pure Python,
+    well under a second) and redraws the ranked table and :func:`plan_bars`. Bad input (a model that fits
+    nowhere, a batch no mesh divides) shows the ValueError's message instead.
+
+    ``defaults`` preset widgets: gpus_per_node, seq_len, global_batch_size, zero, mfu. Returns the
+    ``ipywidgets.VBox``; its ``.plan()`` / ``.figure()`` give the current Plan and figure (None while invalid).
+    """
+    import html
+
+    import ipywidgets as w
+    from IPython.display import display
+
+    from labkit import planner
+    from labkit.spec import presets
+
+    models = sorted(presets())
+    check_choice("model", model, models)
+    gpu_names = planner.plannable_gpus()
+    check_choice("gpu", gpu, gpu_names)
+    pow2 = [2**k for k in range(0, 15)]
+    check_choice("gpus", gpus, pow2)
+    style = {"description_width": "130px"}
+    ctl = {
+        "model": w.Dropdown(options=models, value=model, description="model", style=style),
+        "gpus": w.SelectionSlider(options=pow2, value=gpus, description="GPUs", style=style),
+        "gpu": w.Dropdown(options=gpu_names, value=gpu, description="GPU", style=style),
+        "gpus_per_node": w.SelectionSlider(options=[1, 2, 4, 8], value=defaults.get("gpus_per_node", 8),
+                                           description="GPUs per node", style=style),
+        "seq_len": w.SelectionSlider(options=[1024, 2048, 4096, 8192, 16384, 32768, 131072],
+                                     value=defaults.get("seq_len", 8192), description="sequence", style=style),
+        "global_batch_size": w.SelectionSlider(options=pow2[3:], value=defaults.get("global_batch_size", 1024),
+                                               description="global batch (seqs)", style=style),
+        "zero": w.IntSlider(min=0, max=3, value=defaults.get("zero", 1), description="ZeRO stage", style=style),
+        "mfu": w.FloatSlider(min=0.1, max=0.9, step=0.05, value=defaults.get("mfu", planner.DEFAULT_MFU),
+                             description="assumed kernel MFU", style=style),
+    }
+    out = w.Output()
+    info = w.HTML()
+    state = {"plan": None, "fig": None}
+
+    def redraw(*_):
+        kw = {k: c.value for k, c in ctl.items()}
+        try:
+            p = planner.plan(**kw)
+        except ValueError as e:
+            state["plan"] = state["fig"] = None
+            info.value = f"<b style='color:#b00'>no plan:</b> {html.escape(str(e))}"
+            out.clear_output(wait=True)
+            return
+        state["plan"] = p
+        state["fig"] = plan_bars(p, top=top, height=380)
+        rows = "".join(f"<tr><td>{c.rank}</td><td>{html.escape(c.mesh())}</td><td>{c.recompute}</td>"
+                       f"<td>{c.peak_bytes_per_gpu / mem.GiB:.1f}</td><td>{c.step_time_s:.4g}</td>"
+                       f"<td>{c.predicted_mfu:.1%}</td><td>{html.escape(c.reason)}</td></tr>"
+                       for c in p.candidates[:top])
+        info.value = (f"<b>PREDICTED</b>: {p.n_enumerated} meshes enumerated, {len(p.candidates)} fit, "
+                      f"{len(p.rejected)} rejected ({html.escape(str(p.rejection_summary()))})"
+                      "<table><tr><th>#</th><th>mesh</th><th>recompute</th><th>peak GiB</th><th>step s</th>"
+                      f"<th>MFU</th><th>reason</th></tr>{rows}</table>")
+        out.clear_output(wait=True)
+        with out:
+            display(state["fig"])
+
+    for c in ctl.values():
+        c.observe(redraw, names="value")
+    redraw()
+    box = w.VBox([w.HBox([w.VBox(list(ctl.values())[:4]), w.VBox(list(ctl.values())[4:])]), info, out])
+    box.plan = lambda: state["plan"]
+    box.figure = lambda: state["fig"]
+    return box
+
+
+def grid_figure(dims, gpus_per_node: int | None = None, *, title: str | None = None, height: int | None = None):
+    """The rank grid of ``dims`` (a :class:`labkit.mesh.ParallelDims`): a row per pipeline stage, a column per
+    (dp, cp, tp) position in rank order, each cell labelled with its rank and coloured by node (with
+    ``gpus_per_node``; else by dp index); the hover lists the rank's coordinates and its TP / CP / DP / PP
+    groups."""
+    width = dims.world_size // dims.pp
+    groups = {d: {r: g for g in dims.groups(d) for r in g} for d in ("tp", "cp", "dp", "pp")}
+    z, text, hover = [], [], []
+    for stage in range(dims.pp):
+        zr, tr, hr = [], [], []
+        ranks = sorted(r for r in range(dims.world_size) if dims.coords(r)["pp"] == stage)
+        for r in ranks:
+            c = dims.coords(r)
+            zr.append(r // gpus_per_node if gpus_per_node else c["dp"])
+            tr.append(str(r))
+            hr.append(f"rank {r}" + (f", node {r // gpus_per_node}" if gpus_per_node else "") + "<br>"
+                      + ", ".join(f"{d}={c[d]}" for d in ("pp", "dp", "cp", "tp")) + "<br>"
+                      + "<br>".join(f"{d.upper()} group {groups[d][r]}" for d in ("tp", "cp", "dp", "pp")
+                                    if dims.degree(d) > 1))
+        z.append(zr)
+        text.append(tr)
+        hover.append(hr)
+    fig = go.Figure(go.Heatmap(z=z, text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text",
+                               colorscale="Teal" if gpus_per_node else "Blues", showscale=False, xgap=3, ygap=3))
+    fig.update_layout(title=title or f"Rank grid: {dims} ({'-'.join(dims.order)}, innermost first)"
+                      + (f"; colour = node of {gpus_per_node}" if gpus_per_node else "; colour = dp index"),
+                      xaxis_title="position in the stage (rank order: tp fastest)", yaxis_title="pipeline stage",
+                      yaxis={"autorange": "reversed", "dtick": 1}, xaxis={"dtick": 1},
+                      height=height or 160 + 60 * dims.pp, width=max(420, 60 * width + 160))
+    return fig

@@ -1,0 +1,91 @@
+"""Composed 2-D runs on gloo: DP x TP = 2 x 2 and PP x DP = 2 x 2 in one 4-rank launch, compared with the
+single-process reference (forward: losses; backward: last-step gradients; updates: final weights) at the fp32
+tolerance of labkit.models.TOLERANCES; torch's mesh groups == ParallelDims' groups; measured model-state
+bytes per rank == labkit.memory's prediction. The comparison itself is checked to fail on a wrong result."""
+
+import copy
+
+import pytest
+
+from labkit.mesh import MeshError
+from labkit.parallel import composed
+
+
+@pytest.fixture(scope="module")
+def result():
+    return composed.run_composed(4, steps=2, global_batch_size=8, seq_len=32, n_microbatches=4)
+
+
+def test_parity_with_the_reference(result):
+    p = result.parity
+    assert set(p["run"]) == {"dp_tp (dp=2, tp=2)", "dp_tp_hand (dp=2, tp=2)", "pp_dp (dp=2, pp=2)"}
+    assert set(p["what"]) == {"losses", "grads", "params"}
+    assert p["ok"].all(), p[~p["ok"]].to_dict("records")
+    n_params = len(result.runs[0][-1]["grads"])
+    assert (p.loc[p["what"] != "losses", "tensors"] == n_params).all()  # every parameter compared
+    assert (p["rtol"] == 1e-4).all() and (p.loc[p["what"] != "params", "atol"] == 1e-5).all()
+    assert list(p.loc[p["what"] == "params", "atol"]) == pytest.approx([1e-5 + 0.1 * 1e-3 * 2] * 3)
+    ref = result.runs[0][-1]["losses"]
+    assert ref[1] < ref[0]  # it trains
+
+
+def test_mesh_groups_are_the_parallel_dims_groups(result):
+    g = result.groups
+    assert g["same"].all()
+    tp = g[(g["run"] == "dp_tp (dp=2, tp=2)") & (g["dim"] == "tp")]
+    assert sorted(map(tuple, tp["torch_group"])) == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    hand = g[(g["run"] == "dp_tp_hand (dp=2, tp=2)") & (g["dim"] == "dp")]
+    assert sorted(map(tuple, hand["torch_group"])) == [(0, 2), (0, 2), (1, 3), (1, 3)]
+    pp = g[(g["run"] == "pp_dp (dp=2, pp=2)") & (g["dim"] == "pp")]
+    assert sorted(map(tuple, pp["torch_group"])) == [(0, 2), (0, 2), (1, 3), (1, 3)]
+
+
+def test_measured_model_states_equal_the_calculator(result):
+    m = result.memory
+    assert len(m) == 3 * 4 * 3 and m["equal"].all(), m[~m["equal"]].to_dict("records")
+    # replicated DP (hand-written) holds twice the model states of FSDP2 (ZeRO-3) over dp=2
+    per = m[m["rank"] == 0].set_index(["run", "category"])["measured_bytes"]
+    assert per[("dp_tp_hand (dp=2, tp=2)", "parameters")] == 2 * per[("dp_tp (dp=2, tp=2)", "parameters")]
+    # PP x DP: the two stages hold different tensors (embedding vs final norm + head), so different bytes
+    pp = m[(m["run"] == "pp_dp (dp=2, pp=2)") & (m["category"] == "parameters")]
+    assert pp.groupby("stage")["measured_bytes"].first().nunique() == 2
+
+
+def test_timing_is_labelled_measured(result):
+    t = result.timing
+    assert list(t["run"])[-1] == "reference (1 process)"
+    assert (t["step_s_median"] > 0).all() and t["note"].str.startswith("measured").all()
+
+
+def test_compare_fails_on_a_wrong_result(result):
+    bad = copy.deepcopy(result.runs)
+    name = next(iter(bad[0][0]["grads"]))
+    bad[0][0]["grads"][name] = bad[0][0]["grads"][name] + 1e-3  # one gradient off by 1e-3 in the DP x TP run
+    bad[1][2]["groups"]["pp"][0] = [0, 2]  # torch gives rank 1 a PP group it is not in
+    parity, groups, _, memory = composed.compare(bad, "lab-tiny-llama")
+    wrong = parity[~parity["ok"]]
+    assert list(zip(wrong["run"], wrong["what"], strict=True)) == [("dp_tp (dp=2, tp=2)", "grads")]
+    assert name in wrong["error"].iloc[0]
+    assert (~groups["same"]).sum() == 1
+    del bad[0][-1]
+    with pytest.raises(ValueError, match="no reference"):
+        composed.compare(bad)
+
+
+@pytest.mark.parametrize("runs, err, match", [
+    ([{"kind": "dp_tp", "dp": 2, "tp": 4}], MeshError, r"world_size=4 != dp\*tp\*pp\*cp = 2\*4\*1\*1 = 8"),
+    ([{"kind": "dp_tp", "dp": 1, "tp": 4}], MeshError, r"tp=4 does not divide n_kv_heads=2"),
+    ([{"kind": "pp_dp", "pp": 2, "dp": 2, "tp": 2}], ValueError, "composes pp and dp only"),
+    ([{"kind": "nope"}], ValueError, "kind='nope' is not valid"),
+])
+def test_bad_runs_fail_before_launch(runs, err, match):
+    with pytest.raises(err, match=match):
+        composed.run_composed(4, runs)
+
+
+def test_batch_split_field_case():
+    # global batch 8 in 3 micro-batches: a ValueError before any process starts, naming the fix
+    with pytest.raises(MeshError, match=r"global_batch_size=8"):
+        composed.run_composed(4, [{"kind": "pp_dp", "pp": 2, "dp": 2}], global_batch_size=8, n_microbatches=3)
+    with pytest.raises(ValueError, match="untied output head"):
+        composed.run_composed(4, [{"kind": "pp_dp", "pp": 2, "dp": 2}], model="lab-tiny-gpt")

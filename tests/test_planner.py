@@ -1,0 +1,204 @@
+"""The planner: a small case checked by hand, ranking and reasons, bad input, the CLI (table, --json, exit 2)."""
+
+import json
+
+import pytest
+
+from labkit import memory as mem
+from labkit import planner
+from labkit.cli import main
+from labkit.mesh import ParallelDims
+from labkit.spec import ModelSpec
+
+# A model small enough to count by hand: 4 layers, h = 1024, 8 heads (no GQA), SwiGLU f = 4096, V = 32000.
+HAND = ModelSpec(n_layers=4, hidden_size=1024, n_heads=8, ffn_hidden_size=4096, vocab_size=32000, max_seq_len=1024,
+                 name="hand")
+# data/hardware.yaml, written out: H100 dense bf16 peak, NVLink 4 and NDR InfiniBand per direction, NCCL latencies
+PEAK, NVLINK, IB = 989e12, 450e9, 50e9
+BASE, HOP_NV, HOP_IB = 6.6e-6, 0.6e-6, 2.7e-6
+
+
+@pytest.fixture(scope="module")
+def hand_plan():
+    # 4 H100s in 2 nodes of 2: every mesh of 4 ranks is valid for this model
+    return planner.plan(HAND, gpus=4, gpu="h100-80gb", gpus_per_node=2, seq_len=1024, global_batch_size=8,
+                        recompute="none", zero=1, mfu=0.5)
+
+
+def by_mesh(plan, **dims):
+    (c,) = [c for c in plan.candidates if all(getattr(c, k) == v for k, v in dims.items())
+            and all(getattr(c, k) == 1 for k in {"dp", "tp", "pp", "cp"} - set(dims))]
+    return c
+
+
+def test_small_case_by_hand(hand_plan):
+    # parameters: per layer 4h^2 (q, k, v, o) + 3hf (SwiGLU) + 2h (norms) = 16,779,264
+    layer = 4 * 1024**2 + 3 * 1024 * 4096 + 2 * 1024
+    assert layer == 16_779_264
+    n_total = 32000 * 1024 + 4 * layer + 1024 + 32000 * 1024
+    assert HAND.n_params() == n_total == 132_654_080
+    # PaLM App. B: 6N (N without the input embedding) + 12 L a d T per token; 8 sequences of 1024 tokens
+    n_no_embed = n_total - 32000 * 1024
+    flops = (6 * n_no_embed + 12 * 4 * 8 * 128 * 1024) * 8 * 1024
+    compute = flops / (4 * PEAK * 0.5)
+    assert compute == pytest.approx(2.6905548e-3, rel=1e-6)
+
+    # dp=2 x tp=2: TP inside a node (ranks 0,1 | 2,3), DP across the nodes (0,2 | 1,3)
+    c = by_mesh(hand_plan, dp=2, tp=2)
+    assert c.n_microbatches == 4 and c.links["tp"] == "nvlink4" and c.links["dp"] == "ib-ndr"
+    s_act = 1 * 1024 * 1024 * 2  # b * s * h * 2 bytes
+    ar_tp = BASE + 2 * 1 * HOP_NV + 2 * (1 / 2) * s_act / NVLINK  # ring all-reduce on 2 ranks, 2(n-1) steps
+    tp_s = 4 * 4 * 4 * ar_tp  # m=4 micro-batches x 4 layers x 4 all-reduces (2 forward, 2 backward)
+    # ZeRO-1 over dp=2: reduce-scatter bf16 grads + all-gather bf16 params of the rank's TP half of the model
+    n_local = 32000 * 1024 // 2 + 4 * (4 * 1024**2 // 2 + 3 * 1024 * 4096 // 2 + 2048) + 1024 + 32000 * 1024 // 2
+    assert n_local == 66_331_648
+    one = BASE + 1 * HOP_IB + (1 / 2) * n_local * 2 / IB  # one step, inter-node, (n-1)/n of S
+    dp_total = 2 * one
+    dp_exposed = dp_total - (2 / 3) * compute / 4  # overlaps the backward of the last micro-batch
+    assert c.parts["compute_s"] == pytest.approx(compute, rel=1e-9)
+    assert c.parts["tp_s"] == pytest.approx(tp_s, rel=1e-9)
+    assert c.parts["dp_total_s"] == pytest.approx(dp_total, rel=1e-9)
+    assert c.parts["dp_s"] == pytest.approx(dp_exposed, rel=1e-9)
+    assert c.parts["bubble_s"] == c.parts["pp_s"] == c.parts["cp_s"] == 0
+    assert c.step_time_s == pytest.approx(compute + tp_s + dp_exposed, rel=1e-9)
+
+    # dp=2 x pp=2: bubble (p-1)/m, 1F1B send/recv across the nodes (pp stride 2)
+    c = by_mesh(hand_plan, dp=2, pp=2)
+    p2p = BASE + HOP_IB + s_act / IB
+    assert c.parts["bubble_s"] == pytest.approx(compute * 1 / 4, rel=1e-9)
+    assert c.parts["pp_s"] == pytest.approx(2 * (4 + 2 - 1) * p2p, rel=1e-9)
+
+    # pure DP over 4 ranks in 2 nodes: the ring crosses InfiniBand (bandwidth = the slower link), 3 steps, 1 inter
+    c4 = by_mesh(hand_plan, dp=4)
+    one4 = BASE + 2 * HOP_NV + 1 * HOP_IB + (3 / 4) * n_total * 2 / IB
+    assert c4.parts["dp_total_s"] == pytest.approx(2 * one4, rel=1e-9)
+    assert c4.parts["dp_s"] == pytest.approx(2 * one4 - (2 / 3) * compute / 2, rel=1e-9)
+    # so by hand dp=2 x tp=2 beats dp=4, and tp=4 (TP over InfiniBand) is slower than tp=2
+    assert by_mesh(hand_plan, dp=2, tp=2).rank < c4.rank
+    assert by_mesh(hand_plan, tp=4).links["tp"] == "ib-ndr"
+    assert by_mesh(hand_plan, tp=4).rank > by_mesh(hand_plan, tp=2, pp=2).rank
+
+
+def test_memory_comes_from_the_calculator(hand_plan):
+    c = by_mesh(hand_plan, dp=2, tp=2)
+    par = ParallelDims(4, dp=2, tp=2).parallel_config(zero=1, sequence_parallel=True)
+    est = mem.train_memory(HAND, par, mem.TrainConfig(micro_batch_size=1, seq_len=1024, n_microbatches=4,
+                                                      attention="flash"), device="h100-80gb")
+    assert c.peak_bytes_per_gpu == est.total_bytes and c.fits == est.fits is True
+
+
+def test_ranking_and_reasons(hand_plan):
+    ranked = hand_plan.candidates
+    assert [c.rank for c in ranked] == list(range(1, len(ranked) + 1)) and len(ranked) == 10
+    assert all(a.step_time_s <= b.step_time_s for a, b in zip(ranked, ranked[1:], strict=False))
+    assert ranked[0].reason.startswith("fastest predicted step; largest overhead:")
+    for c in ranked[1:]:
+        assert "vs #1, mostly" in c.reason and c.reason.startswith("+")
+    tp4 = by_mesh(hand_plan, tp=4)
+    assert "TP comm" in tp4.reason and "ib-ndr" in tp4.reason
+    text = hand_plan.table()
+    assert "PREDICTED plan" in text and text.count("\n") >= 12
+
+
+def test_rejections_name_their_rule():
+    p = planner.plan("llama-3-70b", gpus=64, gpu="h100-80gb", seq_len=4096, global_batch_size=64)
+    rules = p.rejection_summary()
+    assert {"tp_kv_heads", "memory"} <= set(rules)
+    tp16 = [c for c in p.rejected if c.tp == 16]
+    assert tp16 and all("tp_kv_heads" in c.rules and "n_kv_heads=8" in c.reason for c in tp16)
+    memory = [c for c in p.rejected if c.rules == ["memory"]]
+    assert all("does not fit even with recompute=full" in c.reason and c.peak_bytes_per_gpu > 80 * mem.GiB
+               for c in memory)
+    assert all(c.fits and c.peak_bytes_per_gpu <= 80 * mem.GiB for c in p.candidates)
+    assert p.n_enumerated == len(p.candidates) + len(p.rejected)
+
+
+def test_recompute_auto_takes_the_least_that_fits():
+    p = planner.plan("llama-3-70b", gpus=64, gpu="h100-80gb", seq_len=8192, global_batch_size=64)
+    order = {"none": 0, "selective": 1, "full": 2}
+    for c in p.candidates:
+        if c.recompute != "none":  # the lighter recompute did not fit
+            lighter = [r for r in order if order[r] < order[c.recompute]][-1]
+            dims = ParallelDims(64, dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp)
+            est = mem.train_memory("llama-3-70b", dims.parallel_config(zero=1, sequence_parallel=c.tp > 1),
+                                   mem.TrainConfig(seq_len=8192, n_microbatches=c.n_microbatches, recompute=lighter),
+                                   device="h100-80gb")
+            assert not est.fits
+            break
+    else:
+        pytest.fail("expected a mesh that needs recompute")
+
+
+def test_bad_input_names_the_fix():
+    with pytest.raises(ValueError, match=r"gpu='h999' is not valid; choose one of: .*h100-80gb"):
+        planner.plan("llama-3-70b", gpus=64, gpu="h999", global_batch_size=64)
+    with pytest.raises(ValueError, match="no peak_bf16_tflops or nvlink"):
+        planner.plan("llama-3-70b", gpus=64, gpu="l40s-48gb", global_batch_size=64)
+    with pytest.raises(ValueError, match=r"gpus=0 must be an integer >= 1"):
+        planner.plan("llama-3-70b", gpus=0, global_batch_size=64)
+    with pytest.raises(ValueError, match=r"gpus=12 is not a whole number of nodes of gpus_per_node=8"):
+        planner.plan("llama-3-70b", gpus=12, global_batch_size=64)
+    with pytest.raises(ValueError, match=r"fits on no mesh of 8 x h100-80gb .*smallest shortfall is [\d.]+ GiB "
+                                         r"per GPU, at dp=\d+ tp=\d+ pp=\d+ .*ZeRO-3"):
+        planner.plan("llama-3-70b", gpus=8, seq_len=8192, global_batch_size=64)
+    with pytest.raises(ValueError, match=r"no valid mesh .* every mesh breaks a rule: .*cp_seq"):
+        planner.plan("lab-tiny-llama", gpus=1024, seq_len=128, global_batch_size=1)
+
+
+def test_vocabulary_is_padded_for_tp():
+    sp = planner.padded_spec(planner.get_spec("gpt-3-175b"), 8)
+    assert sp.vocab_size == 51200 and sp.vocab_size % (128 * 8) == 0
+    assert planner.padded_spec(HAND, 8) is HAND
+
+
+def test_cli_table_and_json(capsys):
+    argv = ["plan", "--model", "llama-3-70b", "--gpus", "64", "--gpu", "h100-80gb", "--gpus-per-node", "8",
+            "--seq", "4096", "--global-batch", "64"]
+    assert main([*argv, "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "PREDICTED plan: llama-3-70b on 64 x h100-80gb" in out and "rejected (" in out
+    assert main([*argv, "--top", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert isinstance(rows, list) and len(rows) == 4 and [r["rank"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"dp", "tp", "pp", "cp", "ep", "fits", "peak_bytes_per_gpu", "step_time_s", "reason"} <= set(r)
+        assert r["dp"] * r["tp"] * r["pp"] * r["cp"] == 64 and r["fits"] is True
+        assert isinstance(r["peak_bytes_per_gpu"], int) and r["step_time_s"] > 0
+    assert main([*argv, "--top", "1", "--json", "--all"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["rank"] == 1 and all(r["rank"] is None and r["reason"] for r in rows[1:]) and len(rows) > 10
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--gpus", "0"], "gpus=0"),
+    (["--gpus", "12"], "whole number of nodes"),
+    (["--gpu", "nope"], "gpu='nope' is not valid"),
+    (["--gpus", "8", "--seq", "8192"], "fits on no mesh"),
+    (["--model", "nope"], "unknown model preset"),
+])
+def test_cli_bad_input_exits_2(capsys, extra, needle):
+    argv = ["plan", "--model", "llama-3-70b", "--gpus", "64", "--seq", "4096", "--global-batch", "64"]
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_plan_bars_and_panel():
+    from labkit.widgets import plan_bars
+
+    p = planner.plan(HAND, gpus=4, gpu="h100-80gb", gpus_per_node=2, seq_len=1024, global_batch_size=8)
+    fig = plan_bars(p, top=3)
+    assert len(fig.data[0].x) == 3 and fig.data[0].name == "compute"
+    total = sum(tr.y[0] for tr in fig.data)
+    assert total == pytest.approx(p.best.step_time_s)
+    assert "predicted" in fig.layout.yaxis.title.text
+    pytest.importorskip("ipywidgets")
+    from labkit.widgets import planner_panel
+
+    panel = planner_panel("llama-3-70b", gpus=1024)
+    controls = {c.description: c for box in panel.children[0].children for c in box.children}
+    assert panel.plan().best.dp * panel.plan().best.tp * panel.plan().best.pp * panel.plan().best.cp == 1024
+    controls["GPUs"].value = 8  # 70B with an 8192-token sequence fits on no mesh of 8 H100s
+    assert panel.plan() is None and "smallest shortfall" in panel.children[1].value
+    controls["model"].value = "llama-3-8b"
+    assert panel.plan() is not None and panel.figure() is not None
