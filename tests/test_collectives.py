@@ -370,7 +370,7 @@ def _papermill(tmp_path, **params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [4])  # the defaults (world_size=2) run in tests/test_notebooks.py
 def test_chapter_02_runs(tmp_path, world_size):
     out = _papermill(tmp_path, world_size=world_size)
     text = out.read_text()
