@@ -1,13 +1,16 @@
 """The ``labkit`` command line: one subcommand per module in ``labkit/commands/``.
 
 Each command module defines ``NAME`` (the subcommand), ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``. Bad input (a ValueError from labkit) is printed as one line on stderr and exits 2.
+``run(args) -> int``. Bad input (a ValueError from labkit, or an OSError for a path) is printed as one line
+on stderr and exits 2; a launch that fails (LaunchError) prints its first line and exits 1; a closed pipe
+(``| head``) ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -47,9 +50,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except ValueError as e:
+    except BrokenPipeError:
+        # the reader went away (`labkit memory --json | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (ValueError, OSError) as e:
+        # bad input, or a path that cannot be read or written: one line, exit 2
         print(f"labkit {args.command}: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from labkit.launcher import LaunchError
+
+        if not isinstance(e, LaunchError):
+            raise
+        # a launch that failed or timed out: its first line says which rank and why
+        print(f"labkit {args.command}: error: {e}".splitlines()[0], file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"labkit {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -26,6 +26,7 @@ def hello(ctx) -> dict:
 def probe_collectives(ctx) -> dict:
     """Run each collective once on a small tensor and check its values. Returns op -> "ok" or the error.
 
+    ``send_recv`` on one rank is "skipped (needs 2 ranks)".
     Expected values: all_reduce(rank+1) = n(n+1)/2; all_gather gives [0..n-1]; reduce_scatter of ones
     gives n; broadcast from 0 gives 0 (+42); all_to_all sends i to rank i; send/recv a ring of ranks.
     """
@@ -34,7 +35,8 @@ def probe_collectives(ctx) -> dict:
 
     def run(name, body):
         try:
-            checks[name] = "ok" if body() else "wrong values"
+            result = body()
+            checks[name] = "ok" if result is True else "skipped (needs 2 ranks)" if result is None else "wrong values"
         except Exception as e:  # noqa: BLE001 - the probe reports what fails instead of failing
             checks[name] = f"{type(e).__name__}: {e}".splitlines()[0]
 
@@ -65,7 +67,7 @@ def probe_collectives(ctx) -> dict:
 
     def send_recv():
         if n == 1:
-            return True
+            return None  # nothing to send to
         buf = torch.empty(1, device=dev)
         reqs = [dist.isend(torch.tensor([float(r)], device=dev), (r + 1) % n), dist.irecv(buf, (r - 1) % n)]
         for w in reqs:  # wait on every handle
@@ -114,20 +116,36 @@ def straggler_all_reduce(ctx, work_ms: float = 40.0, steps: int = 3) -> dict:
 def straggler_table(timeline) -> pd.DataFrame:
     """Predicted vs measured collective wait from a :func:`straggler_all_reduce` timeline.
 
-    Per (step, rank): ``compute_end_ms`` (measured, from the step's earliest compute start),
-    ``predicted_wait_ms`` = latest compute end of the step - this rank's compute end (the collective cannot
-    finish before the last rank arrives; communication itself taken as free), ``measured_ms`` (the
-    all_reduce event's duration) and ``gap_ms`` = measured - predicted (the collective's own cost plus noise).
+    Per (step, rank), times in ms from the step's earliest compute start: ``compute_end_ms`` (measured),
+    ``arrival_ms`` (measured: when the rank entered all_reduce), ``predicted_wait_ms`` = last arrival of the
+    step - this rank's arrival (a collective cannot finish before the last rank has entered it; the
+    communication itself taken as free), ``measured_ms`` (the all_reduce event's duration) and
+    ``gap_ms`` = measured - predicted (the collective's own cost plus scheduling noise; >= 0 up to timer
+    jitter for any correct collective).
     """
-
     df = timeline
     work = df[df["name"] == "work"].set_index(["step", "rank"])
     comm = df[df["name"] == "all_reduce"].set_index(["step", "rank"])
     out = pd.DataFrame(index=work.index)
     origin = work.groupby("step")["start_ns"].transform("min")
     out["compute_end_ms"] = (work["end_ns"] - origin) / 1e6
-    latest = work.groupby("step")["end_ns"].transform("max")
-    out["predicted_wait_ms"] = (latest - work["end_ns"]) / 1e6
+    out["arrival_ms"] = (comm["start_ns"] - origin) / 1e6
+    last = comm.groupby("step")["start_ns"].transform("max")
+    out["predicted_wait_ms"] = (last - comm["start_ns"]) / 1e6
     out["measured_ms"] = (comm["end_ns"] - comm["start_ns"]) / 1e6
     out["gap_ms"] = out["measured_ms"] - out["predicted_wait_ms"]
     return out.reset_index().sort_values(["step", "rank"]).reset_index(drop=True)
+
+
+def check_getting_started(world_size: int, work_ms: float, steps: int, timeout_s: float) -> None:
+    """Validate chapter 00's parameters before any launch. Raises ValueError naming the value and the fix:
+    world_size >= 2 (section 4 makes rank 1 fail, and a collective needs a peer), work_ms > 0 (the
+    straggler experiment needs unequal work), steps >= 1, timeout_s > 0."""
+    from labkit.checks import positive_float, positive_int
+
+    if positive_int("world_size", world_size) < 2:
+        raise ValueError(f"world_size={world_size}: chapter 00 needs world_size >= 2 (a collective needs a peer, "
+                         "and section 4 makes rank 1 fail)")
+    positive_float("work_ms", work_ms)
+    positive_int("steps", steps)
+    positive_float("timeout_s", timeout_s)

@@ -322,7 +322,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
             ranks.append(_Rank(rank, proc, echo))
         try:
             _wait(ranks, run_dir, world_size, timeout_s, start)
-        except RankFailed as e:
+        except LaunchError as e:
             _restore_source_lines(e, fn)
             raise
         outputs = [cloudpickle.loads((run_dir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
@@ -424,10 +424,17 @@ def _raise_timeout(ranks, run_dir, world_size, timeout_s, elapsed) -> None:
         p = run_dir / f"stack_{r.rank}.txt"
         stacks[r.rank] = p.read_text().strip() if p.exists() else ""
     done = [r.rank for r in ranks if (run_dir / f"result_{r.rank}.pkl").exists()]
-    parts = [f"launch timed out after {timeout_s:g} s: rank(s) {', '.join(str(r.rank) for r in alive)} of "
-             f"{world_size} still running" + (f"; rank(s) {', '.join(map(str, done))} had finished" if done else "")
-             + ". A hang usually means ranks issued different collectives (or one waits for a peer that "
-               "never sends)."]
+    not_started = [r.rank for r in alive if not (run_dir / f"started_{r.rank}").exists()]
+    head = (f"launch timed out after {timeout_s:g} s: rank(s) {', '.join(str(r.rank) for r in alive)} of "
+            f"{world_size} still running" + (f"; rank(s) {', '.join(map(str, done))} had finished" if done else ""))
+    if not_started:
+        why = (f" Rank(s) {', '.join(map(str, not_started))} had not reached the rank function yet (still "
+               f"starting: importing torch, rendezvous): timeout_s={timeout_s:g} is shorter than start-up "
+               "takes on this machine; give it more time.")
+    else:
+        why = (" Every rank was inside the rank function: a hang usually means ranks issued different "
+               "collectives (or one waits for a peer that never sends).")
+    parts = [head + "." + why]
     for rank, st in stacks.items():
         if st:
             parts.append(f"--- stack of rank {rank} ---\n{st}")
@@ -435,7 +442,7 @@ def _raise_timeout(ranks, run_dir, world_size, timeout_s, elapsed) -> None:
                         stacks=stacks, elapsed_s=elapsed)
 
 
-_DYNAMIC_FRAME = re.compile(r'File "<dynamic-code>", line (\d+), in (\S+)\n')
+_DYNAMIC_FRAME = re.compile(r'File "<dynamic-code>", line (\d+)(,?) in (\S+)\n')  # traceback or faulthandler
 
 
 def _code_index(fn) -> list[tuple[str, int, int, str]]:
@@ -461,25 +468,26 @@ def _code_index(fn) -> list[tuple[str, int, int, str]]:
     return entries
 
 
-def _restore_source_lines(err: RankFailed, fn) -> None:
+def _restore_source_lines(err: LaunchError, fn) -> None:
     """cloudpickle ships functions by value with the file name ``<dynamic-code>``, so a rank's traceback
-    has no source lines. Put the real file name (e.g. the notebook cell) and the line back."""
-    if "<dynamic-code>" not in err.traceback_text:
+    (or a hung rank's stack) has no source file. Put the real file name (e.g. the notebook cell) and the
+    source line back, in the message, ``traceback_text`` and ``stacks``."""
+    texts = [err.traceback_text, str(err), *err.stacks.values()]
+    if not any("<dynamic-code>" in t for t in texts):
         return
     index = _code_index(fn)
 
     def repl(m):
-        line, name = int(m.group(1)), m.group(2)
+        line, sep, name = int(m.group(1)), m.group(2), m.group(3)
         for n, first, last, filename in index:
             if n == name and first <= line <= last:
                 src = linecache.getline(filename, line).strip()
-                return f'File "{filename}", line {line}, in {name}\n' + (f"    {src}\n" if src else "")
+                return f'File "{filename}", line {line}{sep} in {name}\n' + (f"    {src}\n" if src else "")
         return m.group(0)
 
-    new_tb = _DYNAMIC_FRAME.sub(repl, err.traceback_text)
-    msg = str(err).replace(err.traceback_text, new_tb)
-    err.args = (msg,)
-    err.traceback_text = new_tb
+    err.args = (_DYNAMIC_FRAME.sub(repl, str(err) + "\n").rstrip("\n"),)
+    err.traceback_text = _DYNAMIC_FRAME.sub(repl, err.traceback_text)
+    err.stacks = {r: _DYNAMIC_FRAME.sub(repl, st + "\n").rstrip("\n") for r, st in err.stacks.items()}
 
 
 def load_results(out_dir: str | Path) -> LaunchResult:

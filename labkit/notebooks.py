@@ -62,6 +62,18 @@ def declared_parameters(path: str | Path) -> dict:
     return papermill.inspect_notebook(str(path))
 
 
+def check_parameters(paths: list[Path], parameters: dict) -> None:
+    """Raise ValueError for a parameter that none of ``paths`` declares (a typo would otherwise be ignored
+    silently), listing the names they do declare."""
+    declared: set[str] = set()
+    for p in paths:
+        declared |= set(declared_parameters(p))
+    unknown = sorted(set(parameters) - declared)
+    if unknown:
+        raise ValueError(f"parameter(s) {', '.join(unknown)} declared by none of the chosen chapters; "
+                         f"they declare: {', '.join(sorted(declared)) or 'nothing'}")
+
+
 def run_notebook(path: str | Path, output: str | Path, parameters: dict | None = None,
                  cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, kernel_name: str = "python3") -> dict:
     """Execute one notebook; return a summary row (never raises for a failing notebook).

@@ -56,15 +56,25 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def resolve_function(target):
-    """``"package.module:function"`` -> the function; a callable is returned as is."""
+    """``"package.module:function"`` -> the function; a callable is returned as is.
+
+    Raises ValueError when the string is malformed, the module cannot be imported, or it has no such
+    attribute (naming which part failed)."""
     if callable(target):
         return target
     if not isinstance(target, str) or ":" not in target:
         raise ValueError(f"function {target!r} must be a callable or 'module:function'")
     mod, _, name = target.partition(":")
-    obj = importlib.import_module(mod)
+    try:
+        obj = importlib.import_module(mod)
+    except ImportError as e:
+        raise ValueError(f"function {target!r}: cannot import module {mod!r} ({e})") from e
     for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"function {target!r}: {getattr(obj, '__name__', mod)!r} has no attribute {part!r}")
         obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"function {target!r} is a {type(obj).__name__}, not a function")
     return obj
 
 
@@ -167,6 +177,7 @@ def spawned_main(run_dir: str, rank: int) -> int:
         where = "unpickling the shipped function"
         payload = cloudpickle.loads((run / "payload.pkl").read_bytes())
         where = "the rank function"
+        (run / f"started_{rank}").touch()  # lets the launcher tell a slow start-up from a hang
         result = payload["fn"](ctx, *payload["args"], **payload["kwargs"])
         where = "pickling the result"
         blob = _package(ctx, result)
@@ -221,8 +232,10 @@ def torchrun_main(argv: list[str]) -> int:
         return 2
     try:
         kwargs = json.loads(args.kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"--kwargs must be a JSON object like '{{\"steps\": 2}}', got {args.kwargs!r}")
         fn = resolve_function(args.function)
-    except (ValueError, ImportError, AttributeError) as e:
+    except ValueError as e:
         print(f"labkit.worker: {e}", file=sys.stderr)
         return 2
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -24,6 +24,10 @@ def run_cli(*args):
     (["run", "-p", "world_size"], "name=value"),
     (["run", "--cell-timeout", "-1"], "--cell-timeout"),
     (["doctor", "--bogus"], "unrecognized arguments"),
+    (["doctor", "--timeout", "-1"], "--timeout=-1.0"),
+    (["run", "--chapters", ",,"], "names no chapter"),
+    (["run", "--chapters", "00", "-p", "wrld_size=4"], "wrld_size declared by none"),
+    (["run", "--chapters", "00", "--out", "/proc/forbidden/x"], "No such file or directory"),
     (["nosuchcommand"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle, capsys):
@@ -47,3 +51,19 @@ def test_doctor_probes_collectives():
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith(op)]
         assert line and line[0].split()[1:] == ["ok", "ok"], proc.stdout
     assert "torch" in proc.stdout and "backends" in proc.stdout
+
+
+def test_launch_failure_is_one_line_exit_1():
+    proc = run_cli("doctor", "--timeout", "0.3")
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1 and "had not reached the rank function" in proc.stderr
+
+
+def test_closed_pipe_is_quiet():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-m", "labkit", "memory", "--model", "llama-3-70b", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.read(10)
+    p.stdout.close()  # like `| head -c 10`
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 0 and "Traceback" not in err, err

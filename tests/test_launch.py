@@ -133,6 +133,10 @@ def test_large_dataframe_result_comes_back():
 def test_function_by_name_string():
     res = launch("labkit.experiments:hello", 2, echo=False)
     assert [r["rank"] for r in res] == [0, 1]
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        launch("labkit.experiments:nope", 2)
+    with pytest.raises(ValueError, match="cannot import module 'nope.nope'"):
+        launch("nope.nope:f", 2)
 
 
 def test_two_launches_at_the_same_time():
@@ -202,6 +206,28 @@ def test_deadlock_ends_at_timeout_with_stacks():
     assert set(err.stacks) == {0, 1}
     assert "deadlock" in err.stacks[0] and "deadlock" in err.stacks[1]  # the rank function is on each stack
     assert f"timed out after {timeout} s" in str(err)
+    assert "Every rank was inside the rank function" in str(err)
+
+
+def test_timeout_during_start_up_says_so():
+    err, elapsed = _timed(launch, deadlock, 2, timeout_s=0.3, echo=False)
+    assert isinstance(err, LaunchTimeout) and "had not reached the rank function yet" in str(err)
+    assert elapsed < 0.3 + 5
+
+
+def test_stacks_of_a_by_value_function_show_its_source():
+    ns = {}
+    src = "import time\ndef sleepy(ctx):\n    time.sleep(60)\n"
+    path = "/tmp/labkit_test_sleepy_cell.py"  # like a notebook cell: a file linecache can read here
+    with open(path, "w") as f:
+        f.write(src)
+    exec(compile(src, path, "exec"), ns)
+    fn = ns["sleepy"]
+    fn.__module__ = "__main__"  # shipped by value: the rank sees <dynamic-code>
+    err, _ = _timed(launch, fn, 2, timeout_s=12, echo=False)
+    assert isinstance(err, LaunchTimeout)
+    assert f'File "{path}", line 3 in sleepy' in err.stacks[0] and "time.sleep(60)" in err.stacks[0]
+    assert "<dynamic-code>" not in str(err)
 
 
 def test_unpicklable_argument_raises_before_any_process():
@@ -313,6 +339,14 @@ def test_same_function_under_torchrun(tmp_path):
     assert set(res.timeline["name"]) == {"work", "all_reduce"}
     with pytest.raises(ValueError, match="no torchrun results"):
         load_results(tmp_path)
+
+
+def test_worker_kwargs_must_be_a_json_object():
+    env = dict(os.environ, PYTHONPATH=str(REPO), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="1")
+    proc = subprocess.run([sys.executable, "-m", "labkit.worker", "labkit.experiments:hello", "--kwargs", "[1, 2]"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "--kwargs must be a JSON object" in proc.stderr
 
 
 def test_worker_outside_torchrun_says_how():

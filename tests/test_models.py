@@ -105,3 +105,15 @@ def test_flops_and_mfu():
     assert peak > 1e6  # measured FLOP/s: a real number, not a datasheet
     with pytest.raises(ValueError, match="peak_flops"):
         models.mfu(1.0, spec, 64, peak_flops=0)
+
+
+def test_chapter00_parameter_check():
+    from labkit.experiments import check_getting_started
+
+    check_getting_started(2, 40.0, 3, 120.0)
+    with pytest.raises(ValueError, match="world_size=1: chapter 00 needs world_size >= 2"):
+        check_getting_started(1, 40.0, 3, 120.0)
+    with pytest.raises(ValueError, match="work_ms=0"):
+        check_getting_started(2, 0, 3, 120.0)
+    with pytest.raises(ValueError, match="steps=0"):
+        check_getting_started(2, 40.0, 0, 120.0)

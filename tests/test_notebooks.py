@@ -6,6 +6,7 @@ checked on small notebooks written here.
 
 from __future__ import annotations
 
+import ast
 import json
 
 import nbformat
@@ -44,7 +45,12 @@ def test_chapter_stored_clean_and_shaped(path):
     assert nb.cells[0].cell_type == "markdown" and "Objectives" in nb.cells[0].source
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1, "exactly one cell tagged 'parameters'"
-    assert "world_size" in notebooks.declared_parameters(path)
+    declared = notebooks.declared_parameters(path)
+    assert "world_size" in declared
+    # papermill must parse every assignment of the parameters cell (a trailing comment with '=' hides a name)
+    assigned = {t.id for node in ast.parse(params[0].source).body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)}
+    assert assigned <= set(declared), f"papermill cannot see: {sorted(assigned - set(declared))}"
     text = "\n".join(c.source for c in nb.cells)
     assert "assert " in text, "a chapter checks its run with asserts"
     assert "Exercise" in text, "a chapter ends with a self-checking exercise"

@@ -23,15 +23,22 @@ def run(args) -> int:
     import pandas as pd
 
     from labkit.checks import positive_float
-    from labkit.notebooks import parse_parameters, run_chapters
+    from labkit.notebooks import check_parameters, discover, parse_parameters, run_chapters
 
-    chapters = [c for c in args.chapters.split(",") if c.strip()] if args.chapters else None
+    chapters = None
+    if args.chapters is not None:
+        chapters = [c for c in args.chapters.split(",") if c.strip()]
+        if not chapters:
+            raise ValueError(f"--chapters {args.chapters!r} names no chapter; give numbers like 00,02")
     params = parse_parameters(args.parameter)
     timeout = positive_float("--cell-timeout", args.cell_timeout)
+    check_parameters(discover(chapters), params)
     df = run_chapters(chapters, out=args.out, parameters=params, cell_timeout_s=timeout, kernel_name=args.kernel,
                       progress=sys.stderr.isatty())
-    with pd.option_context("display.max_colwidth", 80, "display.width", 200):
-        print(df[["notebook", "status", "seconds", "error"]].to_string(index=False))
+    table = df[["notebook", "status", "seconds", "error"]].copy()
+    table["error"] = table["error"].map(lambda e: (e.splitlines() or [""])[0])  # whole errors: summary.csv
+    with pd.option_context("display.max_colwidth", 100, "display.width", 200):
+        print(table.to_string(index=False))
     out = df["output"].iloc[0].rsplit("/", 1)[0] if len(df) else args.out
     n_bad = int((df["status"] != "ok").sum())
     print(f"\n{len(df) - n_bad}/{len(df)} chapters ok, {df['seconds'].sum():.0f} s in all; executed notebooks in {out}")
