@@ -9,7 +9,6 @@ import os
 import socket
 import time
 
-import pandas as pd
 import torch
 import torch.distributed as dist
 
@@ -113,7 +112,7 @@ def straggler_all_reduce(ctx, work_ms: float = 40.0, steps: int = 3) -> dict:
     return {"rank": ctx.rank, "reps": reps, "compute_ns": compute_ns}
 
 
-def straggler_table(timeline) -> pd.DataFrame:
+def straggler_table(timeline) -> pd.DataFrame:  # noqa: F821 - pandas imported inside
     """Predicted vs measured collective wait from a :func:`straggler_all_reduce` timeline.
 
     Per (step, rank), times in ms from the step's earliest compute start: ``compute_end_ms`` (measured),
@@ -123,6 +122,8 @@ def straggler_table(timeline) -> pd.DataFrame:
     ``gap_ms`` = measured - predicted (the collective's own cost plus scheduling noise; >= 0 up to timer
     jitter for any correct collective).
     """
+    import pandas as pd
+
     df = timeline
     work = df[df["name"] == "work"].set_index(["step", "rank"])
     comm = df[df["name"] == "all_reduce"].set_index(["step", "rank"])

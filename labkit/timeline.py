@@ -32,8 +32,10 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported where frames are built, so a rank process need not load it
+    import pandas as pd
 
 KINDS = ("compute", "comm", "idle", "other")
 COLUMNS = ["rank", "name", "kind", "start_ns", "end_ns", "step", "microbatch", "stage", "nbytes"]
@@ -93,6 +95,7 @@ class Timeline:
 
     def to_frame(self) -> pd.DataFrame:
         """This rank's events as a DataFrame with :data:`COLUMNS`, on the run's common clock."""
+        import pandas as pd
         df = pd.DataFrame(self.events, columns=COLUMNS)
         df = df.astype({c: "int64" for c in COLUMNS if c not in ("name", "kind")})
         if self.offset_ns:
@@ -107,6 +110,7 @@ def empty_frame() -> pd.DataFrame:
 
 def concat(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
     """Merge several ranks' frames into one, sorted by (start_ns, rank)."""
+    import pandas as pd
     frames = [f for f in frames if f is not None and len(f)]
     if not frames:
         return empty_frame()
@@ -152,6 +156,7 @@ def _overlap_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 
 def busy_ns(df: pd.DataFrame, kinds: tuple[str, ...] = ("compute",)) -> pd.Series:
     """Per rank, the length (ns) of the union of events of the given kinds (overlaps counted once)."""
+    import pandas as pd
     out = {}
     for rank, g in df.groupby("rank"):
         sel = g[g["kind"].isin(kinds)]
@@ -166,6 +171,7 @@ def exposed_ns(df: pd.DataFrame, kind: str = "comm", hidden_by: str = "compute")
     is overlapped / total (0 when there is no communication). Returns columns
     ``total_ns, hidden_ns, exposed_ns, hidden_fraction`` indexed by rank.
     """
+    import pandas as pd
     rows = {}
     for rank, g in df.groupby("rank"):
         a = _union_ns(list(zip(g.loc[g["kind"] == kind, "start_ns"], g.loc[g["kind"] == kind, "end_ns"])))
