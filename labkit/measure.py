@@ -229,6 +229,7 @@ class SavedActivations:
 
     @property
     def total_bytes(self) -> int:
+        """Measured bytes of every distinct saved storage, all labels together."""
         return sum(self.by_label.values())
 
     def table(self):
