@@ -878,9 +878,13 @@ class MemoryEstimate:
         return sum(self.categories[c] for c in ("parameters", "gradients", "optimizer"))
 
     def verdict(self) -> str:
-        """One line: the peak, and whether it fits the device."""
+        """One line: the predicted peak, and whether it fits the device (for a bare parameter count, a lower
+        bound: model states only)."""
         unit, div = ("GiB", GiB) if self.total_bytes >= GiB // 10 else ("MiB", 2**20)
-        peak = f"peak {self.total_bytes / div:.2f} {unit} per rank"
+        if self.assumptions.get("model_states_only"):
+            peak = f"at least {self.total_bytes / div:.2f} {unit} per rank (model states only)"
+        else:
+            peak = f"peak {self.total_bytes / div:.2f} {unit} per rank"
         if self.device_bytes is None:
             return f"{peak} (no device given)"
         word = "fits" if self.fits else "does NOT fit"
@@ -904,16 +908,22 @@ _UNITS = {"GiB": GiB, "GB": GB, "MiB": 2**20, "MB": 10**6, "bytes": 1}
 
 def format_table(est: MemoryEstimate, unit: str = "GiB") -> str:
     """``est`` as aligned text: a title line saying the numbers are *predicted* per rank (mode, pipeline
-    stage, unit), one line per category of :data:`CATEGORIES`, the total (peak) and the verdict. ``unit``:
+    stage, unit), one line per category of :data:`CATEGORIES` ("not estimated" for what a bare parameter
+    count cannot tell: activations, temporary and communication buffers), the total and the verdict. ``unit``:
     ``GiB`` (2**30), ``GB`` (10**9), ``MiB``, ``MB`` or ``bytes`` (exact, with thousands separators); other
     units print 3 decimals. Raises ValueError for an unknown unit."""
     check_choice("unit", unit, _UNITS)
     div = _UNITS[unit]
     fmt = (lambda v: f"{v:,d}") if unit == "bytes" else (lambda v: f"{v / div:,.3f}")
-    rows = [(c, est.categories[c]) for c in CATEGORIES] + [("total (peak)", est.total_bytes)]
-    w = max(len(fmt(v)) for _, v in rows)
-    lines = [f"predicted memory per rank ({est.mode}, pipeline stage {est.stage}), {unit}"]
-    lines += [f"  {name:<14s} {fmt(v):>{w}s}" for name, v in rows]
+    states_only = bool(est.assumptions.get("model_states_only"))
+    unknown = {"activations", "temporary", "communication"} if states_only else set()
+    rows = [(c, est.categories[c]) for c in CATEGORIES]
+    rows.append(("total (lower bound)" if states_only else "total (peak)", est.total_bytes))
+    w = max([len(fmt(v)) for _, v in rows] + [len("not estimated")] * bool(unknown))
+    what = "model states only" if states_only else est.mode
+    lines = [f"predicted memory per rank ({what}, pipeline stage {est.stage}), {unit}"]
+    nw = max(len(name) for name, _ in rows)
+    lines += [f"  {name:<{nw}s} {'not estimated' if name in unknown else fmt(v):>{w}s}" for name, v in rows]
     lines.append(f"  {est.verdict()}")
     return "\n".join(lines)
 

@@ -211,7 +211,8 @@ def test_kv_cache_per_token_llama3_70b():
     assert m.kv_cache_bytes(spec, 1000, "bf16", tp=8) == 327_680 * 1000 // 8
     assert m.kv_cache_bytes(spec, 1000, "fp8", pp=2) == 327_680 * 1000 // 4
     # tp=16 > n_kv_heads=8: each rank keeps the one kv head its query heads use (replicated on 2 ranks)
-    assert m.kv_cache_bytes(spec, 1000, "bf16", tp=16) == m.kv_cache_bytes(spec, 1000, "bf16", tp=8) == 2 * 80 * 128 * 2 * 1000
+    one_head = 2 * 80 * 1 * 128 * 2 * 1000
+    assert m.kv_cache_bytes(spec, 1000, "bf16", tp=16) == m.kv_cache_bytes(spec, 1000, "bf16", tp=8) == one_head
 
 
 KV_ODD = ModelSpec(n_layers=2, hidden_size=96, n_heads=12, n_kv_heads=4, ffn_hidden_size=192, vocab_size=384,
@@ -482,6 +483,49 @@ def test_cli_table(capsys):
     assert "h100-80gb" in out and "total (peak)" in out
 
 
+# one value per option of labkit memory, to try each where it cannot apply
+_SAMPLE = {"cp": "2", "ep": "2", "zero": "1", "shard_layout": "dim0", "sp": None, "vpp": "2", "schedule": "gpipe",
+           "micro_batch_size": "2", "seq": "4096", "n_microbatches": "4", "recompute": "full", "attention": "eager",
+           "dropout": "0.1", "act_dtype": "fp32", "activation_model": "korthikanti", "kernels": "cpu",
+           "optimizer": "sgd", "convention": "megatron", "param_dtype": "fp32", "grad_dtype": "fp32",
+           "optimizer_dtype": "bf16", "master_weights": None, "batch": "8", "prompt_len": "512", "output_len": "64",
+           "weight_dtype": "int8", "kv_dtype": "fp8", "prefill_tokens": "256"}
+
+
+def test_cli_every_option_is_refused_where_it_cannot_apply(capsys):
+    from labkit.commands.memory import OPTIONS
+
+    assert set(_SAMPLE) == set(OPTIONS)
+    cases = {"train": ["--model", "llama-3-8b", "--tp", "2"], "params": ["--params", "8e9", "--tp", "2"],
+             "infer": ["--model", "llama-3-8b", "--tp", "2", "--mode", "infer"]}
+    for dest, (flag, where, _default) in OPTIONS.items():
+        arg = [flag] if _SAMPLE[dest] is None else [flag, _SAMPLE[dest]]
+        for case, base in cases.items():
+            rc = cli_main(["memory", *base, *arg])
+            out = capsys.readouterr()
+            if case in where:  # applies: accepted, or refused by the calculator for its value, never ignored
+                assert rc == 0 or "does not apply" not in out.err, (flag, case, out.err)
+            else:
+                assert rc == 2 and f"{flag}" in out.err and "does not apply" in out.err, (flag, case, out.err)
+                assert out.err.count("\n") == 1
+
+
+def test_cli_params_says_model_states_only_and_prints_the_zero_paper_number(capsys):
+    # the README example: Rajbhandari et al. 2020, Fig. 1, stage 2 -> 16.6 GB per rank (1e9 bytes, no headroom)
+    assert cli_main(["memory", "--params", "7.5e9", "--dp", "64", "--zero", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model states only" in out and "activations         not estimated" in out
+    assert "predicted: 16.64 GB (1e9 bytes)" in out and "without workspace and headroom" in out
+    assert "total (lower bound)" in out and "total (peak)" not in out
+
+
+def test_cli_inference_replicates_kv_heads(capsys):
+    assert cli_main(["memory", "--model", "llama-3-70b", "--mode", "infer", "--tp", "16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["assumptions"]["kv_heads_per_rank"] == 1
+    assert d["categories"]["kv_cache"] == 2 * 80 * 1 * 128 * 2 * (2048 + 256)
+
+
 def test_cli_json_model_states_only(capsys):
     assert cli_main(["memory", "--params", "7.5e9", "--mode", "train", "--dp", "64", "--zero", "2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -504,8 +548,20 @@ def test_cli_inference_json(capsys):
     (["--model", "mixtral-8x7b", "--dp", "6", "--ep", "3"], "ep=3 does not divide n_experts=8"),
     (["--model", "llama-3-8b", "--seq", "-4"], "seq_len=-4 must be an integer >= 1"),
     (["--model", "llama-3-8b", "--device", "tpu"], "unknown device 'tpu'"),
-    (["--model", "llama-3-8b", "--mode", "infer", "--zero", "2"], "--zero=2 is a training option"),
+    (["--model", "llama-3-8b", "--mode", "infer", "--zero", "2"],
+     "--zero=2 (inference holds no optimizer state) does not apply with --mode infer"),
     ([], "give --model NAME"),
+    (["--model", "llama-3-70b", "--seq", "0"], "seq_len=0 must be an integer >= 1"),  # not silently 2048
+    (["--params", "1e9", "--recompute", "full", "--seq", "4096"],
+     "--seq=4096, --recompute=full do not apply with --params (a bare parameter count has no layers"),
+    (["--params", "0.5"], "n_params=0.5 must be a parameter count >= 1"),
+    (["--params", "1e9", "--mode", "infer"], "--mode infer needs --model NAME, not --params"),
+    (["--model", "llama-3-70b", "--sp"], "--sp (sequence parallelism) splits activations over the tensor-parallel "
+                                         "ranks; it needs --tp > 1, got --tp 1"),
+    (["--model", "llama-3-70b", "--headroom", "5"], "headroom=5.0 is a fraction of the other bytes (0.15 = 15 %); "
+                                                    "valid: 0 to 1"),
+    (["--model", "llama-3-70b", "--batch", "32"], "--batch=32 does not apply with --mode train (it is an inference"),
+    (["--model", "llama-3-70b", "--mode", "infer", "--kernels", "cpu"], "--kernels=cpu does not apply with --mode"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert cli_main(["memory", *argv]) == 2
