@@ -313,7 +313,8 @@ def _check_run_args(spec, micro_batch_size, seq_len, wraps, attention, dtype) ->
 
 def check_training_run(model: str, world_size: int, *, micro_batch_size: int = 2, seq_len: int = 64,
                        wraps: tuple[str, ...] = ("none",), attention: str = "sdpa", dtype: str = "float32",
-                       dropout: float | None = None, host_bytes: int | None = None) -> dict:
+                       dropout: float | None = None, host_bytes: int | None = None,
+                       exact_activations: bool = False) -> dict:
     """Check a :func:`measure_training_rank` launch before starting it; returns what it will need.
 
     Validates the arguments as the rank function does (wraps, attention, dtype, micro_batch_size, seq_len <=
@@ -322,10 +323,15 @@ def check_training_run(model: str, world_size: int, *, micro_batch_size: int = 2
     rank needs labkit.memory's ZeRO-0 budget for this run (no headroom) + :data:`RANK_OVERHEAD_BYTES`, and
     ``world_size`` ranks on one machine need ``world_size`` times that.
 
+    ``exact_activations``: also refuse models whose saved activations labkit.memory only estimates (MoE
+    layers: the lab's top_k·capacity scaling, not derived from a run), for callers that check activations to
+    a few per cent.
+
     ``host_bytes``: the machine's memory (None -> :func:`host_memory_bytes`). Returns ``{"per_rank_bytes",
-    "needed_bytes", "host_bytes", "world_size"}`` (bytes, predicted; host_bytes measured, None if unknown).
-    Raises ValueError for bad arguments, or when ``needed_bytes`` exceeds ``host_bytes``: the message gives
-    both (GB = 1e9) and the presets that would fit.
+    "needed_bytes", "host_bytes", "world_size", "summary"}`` (bytes, predicted; host_bytes measured, None if
+    unknown; summary: one labelled line to print).
+    Raises ValueError for bad arguments, a MoE model with ``exact_activations``, or when ``needed_bytes``
+    exceeds ``host_bytes``: the message gives both (GB = 1e9) and the presets that would fit.
     """
     from labkit import memory as mem
     from labkit.spec import get_spec, presets
@@ -335,16 +341,28 @@ def check_training_run(model: str, world_size: int, *, micro_batch_size: int = 2
     micro_batch_size, seq_len = _check_run_args(spec, micro_batch_size, seq_len, wraps, attention, dtype)
     host = host_memory_bytes() if host_bytes is None else positive_int("host_bytes", host_bytes)
 
+    def usable(s) -> bool:
+        return not (exact_activations and s.is_moe)
+
     def per_rank(s) -> int:
         train = _train_config(s, micro_batch_size, min(seq_len, s.max_seq_len), attention, dtype, "cpu")
         dp = world_size if "ddp" in wraps else 1
         est = mem.train_memory(s, mem.ParallelConfig(dp=dp), train, headroom=0.0, workspace_bytes=0)
         return est.total_bytes + RANK_OVERHEAD_BYTES
 
+    if not usable(spec):
+        valid = [n for n, s in sorted(presets().items()) if usable(s) and (host is None or world_size * per_rank(s)
+                                                                            <= host)]
+        raise ValueError(f"model={model!r} has mixture-of-experts layers, whose saved activations labkit.memory only "
+                         "estimates (not derived from a run), so a measured-equals-predicted check cannot hold; "
+                         f"valid models here: {', '.join(valid)}")
     need = per_rank(spec)
-    out = {"per_rank_bytes": need, "needed_bytes": world_size * need, "host_bytes": host, "world_size": world_size}
+    have = f"this machine {host / 1e9:.1f} GB (measured)" if host is not None else "this machine's memory unknown"
+    out = {"per_rank_bytes": need, "needed_bytes": world_size * need, "host_bytes": host, "world_size": world_size,
+           "summary": f"host memory for the launch: {world_size * need / 1e9:.2f} GB predicted ({world_size} ranks x "
+                      f"{need / 1e9:.2f} GB), {have}; GB = 1e9 bytes"}
     if host is not None and world_size * need > host:
-        fits = [n for n, s in sorted(presets().items()) if world_size * per_rank(s) <= host]
+        fits = [n for n, s in sorted(presets().items()) if usable(s) and world_size * per_rank(s) <= host]
         raise ValueError(
             f"model={model!r} on world_size={world_size} ranks needs about {world_size * need / 1e9:.1f} GB of "
             f"host memory (predicted: {world_size} x {need / 1e9:.2f} GB per rank, labkit.memory, no headroom) "

@@ -155,12 +155,18 @@ def test_check_training_run_refuses_what_the_host_cannot_hold():
     assert host is None or host > 2**28
     need = check_training_run("lab-tiny-llama", 2, wraps=("none", "ddp", "fsdp2"), host_bytes=10**10)
     assert need["needed_bytes"] == 2 * need["per_rank_bytes"] and need["per_rank_bytes"] > RANK_OVERHEAD_BYTES
+    assert "GB predicted (2 ranks x" in need["summary"] and "this machine 10.0 GB (measured)" in need["summary"]
     # the tester's case: llama-3-8b was OOM-killed after 44 s; now refused before launch, in one line
     with pytest.raises(ValueError, match=r"model='llama-3-8b' on world_size=2 ranks needs about 2\d\d\.\d GB of "
                                          r"host memory .* but this machine has 24\.0 GB; valid models here: "
                                          r"lab-small-llama,"):
         check_training_run("llama-3-8b", 2, host_bytes=24 * 10**9)
     assert check_training_run("llama-3-8b", 2, host_bytes=10**12)["needed_bytes"] > 2 * 10**11
+    # MoE activations are the lab's estimate: refused where a caller checks activations to a few per cent
+    assert check_training_run("lab-tiny-moe", 2, host_bytes=10**10)["needed_bytes"] > 0
+    with pytest.raises(ValueError, match=r"model='lab-tiny-moe' has mixture-of-experts layers.*valid models here: "
+                                         r"lab-small-llama, lab-tiny-gpt, lab-tiny-llama$"):
+        check_training_run("lab-tiny-moe", 2, host_bytes=10**10, exact_activations=True)
 
 
 @pytest.mark.parametrize("kwargs, match", [
