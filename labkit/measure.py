@@ -13,12 +13,16 @@
   max_memory_reserved`` on a GPU; None on CPU (there is no allocator peak to read there).
 * :func:`measure_training_rank` — a rank function for :func:`labkit.launch`: one training step of the lab's
   model (optionally under DDP or FSDP2), returning measured bytes per category beside the prediction.
+* :func:`check_training_run` — before such a launch: its parameters, and the host memory the ranks will need
+  (predicted by labkit.memory) against this machine's (:func:`host_memory_bytes`), so a model too big for the
+  machine is refused up front instead of the ranks being killed by the kernel's OOM killer.
 
 Every number here is *measured*; labkit.memory's are *predicted*; the rank function returns both, labelled.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -229,6 +233,7 @@ class SavedActivations:
 
     @property
     def total_bytes(self) -> int:
+        """Measured bytes of every distinct saved storage, all labels together."""
         return sum(self.by_label.values())
 
     def table(self):
@@ -256,6 +261,113 @@ def reset_cuda_peak(device=None) -> None:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CALC_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+ATTENTIONS = ("sdpa", "eager")
+#: resident memory of one rank process besides what labkit.memory predicts (Python, torch, gloo, allocator
+#: slack): an assumption, about what `import torch` plus a process group costs on Linux
+RANK_OVERHEAD_BYTES = 512 * 2**20
+
+
+def host_memory_bytes() -> int | None:
+    """Memory of this machine in bytes: ``os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")``, lowered
+    to the cgroup's limit when the process runs under one (``/sys/fs/cgroup/memory.max``, cgroup v2, or
+    ``memory.limit_in_bytes``, v1: containers, Slurm jobs). None where neither can be read."""
+    sizes = []
+    try:
+        sizes.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # "max" or a huge number: no limit
+            sizes.append(int(text))
+    sizes = [x for x in sizes if x > 0]
+    return min(sizes) if sizes else None
+
+
+def _train_config(spec, micro_batch_size: int, seq_len: int, attention: str, dtype: str, device_type: str):
+    """The labkit.memory TrainConfig of a :func:`measure_training_rank` run (fp32 or 16-bit torch AdamW)."""
+    from labkit import memory as mem
+
+    return mem.TrainConfig(micro_batch_size=micro_batch_size, seq_len=seq_len,
+                           convention="torch-fp32" if dtype == "float32" else "torch-bf16",
+                           attention="flash" if attention == "sdpa" else "eager", kernels=device_type,
+                           act_dtype=_CALC_DTYPE[dtype], dropout=spec.dropout)
+
+
+def _check_run_args(spec, micro_batch_size, seq_len, wraps, attention, dtype) -> tuple[int, int]:
+    for w in wraps:
+        check_choice("wrap", w, WRAPS)
+    check_choice("attention", attention, ATTENTIONS)
+    check_choice("dtype", dtype, _DTYPES)
+    micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
+    seq_len = positive_int("seq_len", seq_len)
+    if seq_len > spec.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds {spec.name}'s max_seq_len={spec.max_seq_len}; "
+                         f"valid seq_len: 1..{spec.max_seq_len}")
+    return micro_batch_size, seq_len
+
+
+def check_training_run(model: str, world_size: int, *, micro_batch_size: int = 2, seq_len: int = 64,
+                       wraps: tuple[str, ...] = ("none",), attention: str = "sdpa", dtype: str = "float32",
+                       dropout: float | None = None, host_bytes: int | None = None,
+                       exact_activations: bool = False) -> dict:
+    """Check a :func:`measure_training_rank` launch before starting it; returns what it will need.
+
+    Validates the arguments as the rank function does (wraps, attention, dtype, micro_batch_size, seq_len <=
+    the model's max_seq_len, world_size >= 1), then predicts the host memory: every rank first builds the
+    whole model and trains it unsharded (the ``none`` reference; DDP adds its two gradient buckets), so one
+    rank needs labkit.memory's ZeRO-0 budget for this run (no headroom) + :data:`RANK_OVERHEAD_BYTES`, and
+    ``world_size`` ranks on one machine need ``world_size`` times that.
+
+    ``exact_activations``: also refuse models whose saved activations labkit.memory only estimates (MoE
+    layers: the lab's top_k·capacity scaling, not derived from a run), for callers that check activations to
+    a few per cent.
+
+    ``host_bytes``: the machine's memory (None -> :func:`host_memory_bytes`). Returns ``{"per_rank_bytes",
+    "needed_bytes", "host_bytes", "world_size", "summary"}`` (bytes, predicted; host_bytes measured, None if
+    unknown; summary: one labelled line to print).
+    Raises ValueError for bad arguments, a MoE model with ``exact_activations``, or when ``needed_bytes``
+    exceeds ``host_bytes``: the message gives both (GB = 1e9) and the presets that would fit.
+    """
+    from labkit import memory as mem
+    from labkit.spec import get_spec, presets
+
+    world_size = positive_int("world_size", world_size)
+    spec = get_spec(model) if dropout is None else get_spec(model, dropout=dropout)
+    micro_batch_size, seq_len = _check_run_args(spec, micro_batch_size, seq_len, wraps, attention, dtype)
+    host = host_memory_bytes() if host_bytes is None else positive_int("host_bytes", host_bytes)
+
+    def usable(s) -> bool:
+        return not (exact_activations and s.is_moe)
+
+    def per_rank(s) -> int:
+        train = _train_config(s, micro_batch_size, min(seq_len, s.max_seq_len), attention, dtype, "cpu")
+        dp = world_size if "ddp" in wraps else 1
+        est = mem.train_memory(s, mem.ParallelConfig(dp=dp), train, headroom=0.0, workspace_bytes=0)
+        return est.total_bytes + RANK_OVERHEAD_BYTES
+
+    if not usable(spec):
+        valid = [n for n, s in sorted(presets().items()) if usable(s) and (host is None or world_size * per_rank(s)
+                                                                            <= host)]
+        raise ValueError(f"model={model!r} has mixture-of-experts layers, whose saved activations labkit.memory only "
+                         "estimates (not derived from a run), so a measured-equals-predicted check cannot hold; "
+                         f"valid models here: {', '.join(valid)}")
+    need = per_rank(spec)
+    have = f"this machine {host / 1e9:.1f} GB (measured)" if host is not None else "this machine's memory unknown"
+    out = {"per_rank_bytes": need, "needed_bytes": world_size * need, "host_bytes": host, "world_size": world_size,
+           "summary": f"host memory for the launch: {world_size * need / 1e9:.2f} GB predicted ({world_size} ranks x "
+                      f"{need / 1e9:.2f} GB), {have}; GB = 1e9 bytes"}
+    if host is not None and world_size * need > host:
+        fits = [n for n, s in sorted(presets().items()) if usable(s) and world_size * per_rank(s) <= host]
+        raise ValueError(
+            f"model={model!r} on world_size={world_size} ranks needs about {world_size * need / 1e9:.1f} GB of "
+            f"host memory (predicted: {world_size} x {need / 1e9:.2f} GB per rank, labkit.memory, no headroom) "
+            f"but this machine has {host / 1e9:.1f} GB; valid models here: {', '.join(fits) or 'none'}")
+    return out
 
 
 def _wrap(model: nn.Module, wrap: str, ctx):
@@ -292,17 +404,18 @@ def measure_training_rank(ctx, model: str = "lab-tiny-llama", *, micro_batch_siz
     ``world_size`` ranks for ddp/fsdp2), ``predicted_per_layer``, ``cuda`` (allocator counters on a GPU, else
     None), ``loss``.
 
-    Raises ValueError for an unknown wrap, attention kind or dtype.
+    FSDP2's shards follow ``torch.chunk`` on dim 0, so with a world size that does not divide a tensor's first
+    dimension the ranks hold different bytes: the prediction is made per rank (``shard_layout="dim0"``,
+    ``dp_rank=rank``). Call :func:`check_training_run` before launching.
+
+    Raises ValueError for an unknown wrap, attention kind or dtype, or a seq_len beyond the model's.
     """
     from labkit import memory as mem
     from labkit.models import SyntheticLM, build_model, lm_loss, make_optimizer
     from labkit.spec import get_spec
 
-    for w in wraps:
-        check_choice("wrap", w, WRAPS)
-    check_choice("dtype", dtype, _DTYPES)
-    micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
     spec = get_spec(model) if dropout is None else get_spec(model, dropout=dropout)
+    micro_batch_size, seq_len = _check_run_args(spec, micro_batch_size, seq_len, wraps, attention, dtype)
     data = SyntheticLM(spec.vocab_size, seq_len, seed)
     tokens, targets = data.batch(0, micro_batch_size * ctx.world_size)
     sl = slice(ctx.rank * micro_batch_size, (ctx.rank + 1) * micro_batch_size)
@@ -324,12 +437,11 @@ def measure_training_rank(ctx, model: str = "lab-tiny-llama", *, micro_batch_siz
         measured = model_state_bytes(runner, opt)
         measured["activations"] = acts.total_bytes
         n = ctx.world_size if wrap != "none" else 1
-        par = mem.ParallelConfig(dp=n, zero=3 if wrap == "fsdp2" else 0)
-        conv = "torch-fp32" if dtype == "float32" else "torch-bf16"
-        train = mem.TrainConfig(micro_batch_size=micro_batch_size, seq_len=seq_len, convention=conv,
-                                attention="flash" if attention == "sdpa" else "eager", kernels=ctx.device.type,
-                                act_dtype=_CALC_DTYPE[dtype], dropout=spec.dropout)
-        pred = mem.train_memory(spec, par, train, headroom=0.0, workspace_bytes=0)
+        par = mem.ParallelConfig(dp=n, zero=3 if wrap == "fsdp2" else 0,
+                                 shard_layout="dim0" if wrap == "fsdp2" else "even")
+        train = _train_config(spec, micro_batch_size, seq_len, attention, dtype, ctx.device.type)
+        pred = mem.train_memory(spec, par, train, headroom=0.0, workspace_bytes=0,
+                                dp_rank=ctx.rank if wrap == "fsdp2" else 0)
         results.append({
             "wrap": wrap, "rank": ctx.rank, "world_size": ctx.world_size, "model": model, "dtype": dtype,
             "attention": attention, "micro_batch_size": micro_batch_size, "seq_len": seq_len,

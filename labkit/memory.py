@@ -31,7 +31,11 @@ Sources
 * Austin et al. 2025, "How to Scale Your Model" (the JAX scaling book), training chapter: 10 bytes/param
   (bf16 parameters + fp32 Adam moments; gradients not held as a persistent buffer).
 * KV cache: 2 (K and V) · n_layers · n_kv_heads · head_dim · bytes per element, per token
-  (Pope et al. 2022, "Efficiently Scaling Transformer Inference", Sec. 2).
+  (Pope et al. 2022, "Efficiently Scaling Transformer Inference", Sec. 2). With tensor parallelism each rank
+  keeps n_kv_heads/tp heads, or one head when tp > n_kv_heads and n_kv_heads divides tp (the kv heads are
+  replicated, as Megatron-LM and vLLM do and labkit.parallel.tensor does): :func:`kv_heads_per_rank`.
+* FSDP2 (``torch.distributed.fsdp.fully_shard``) shards every tensor on dim 0 in ``torch.chunk`` pieces of
+  ceil(d0/N) rows (PyTorch docs, "FSDP2: fully_shard", per-parameter sharding): ``shard_layout="dim0"``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 import yaml
 
 from labkit.checks import check_choice, check_divides, positive_float, positive_int
+from labkit.checks import divisors as _divisors
 from labkit.paths import data_dir
 from labkit.spec import ModelSpec, get_spec
 
@@ -54,6 +59,8 @@ GB = 10**9
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication", "kv_cache",
               "workspace", "headroom")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: how a ZeRO shard splits each tensor over the dp·cp ranks (see :func:`shard_numel`)
+SHARD_LAYOUTS = ("even", "dim0")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("eager", "flash")
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -72,6 +79,8 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 #: assumed CUDA context + cuBLAS/NCCL workspaces on a GPU (an assumption, not a formula)
 DEFAULT_GPU_WORKSPACE_BYTES = 1 * GiB
 DEFAULT_HEADROOM = 0.15
+#: the largest allocator headroom accepted, as a fraction of the other bytes (1.0 = doubling the budget)
+MAX_HEADROOM = 1.0
 
 
 def dtype_bits(name: str) -> int:
@@ -81,17 +90,55 @@ def dtype_bits(name: str) -> int:
 
 
 def canonical_dtype(name: str) -> str:
+    """The lab's short name of dtype ``name``: ``float32`` -> ``fp32``, ``bfloat16`` -> ``bf16``, ``float16`` ->
+    ``fp16``; short names (fp32, bf16, fp16, fp8, int8, int4) are returned as given. Raises ValueError for a
+    name outside :data:`DTYPE_BITS`, listing the valid ones."""
     dtype_bits(name)
     return _CANONICAL.get(name, name)
 
 
 def nbytes(elements: int, bits: int) -> int:
-    """Bytes to hold ``elements`` values of ``bits`` bits each (rounded up to whole bytes)."""
-    return -(-int(elements) * int(bits) // 8)
+    """Bytes to hold ``elements`` values of ``bits`` bits each (rounded up to whole bytes). Raises ValueError
+    for a negative ``elements`` or a ``bits`` < 0."""
+    elements = positive_int("elements", elements, minimum=0)
+    bits = positive_int("bits", bits, minimum=0)
+    return -(-elements * bits // 8)
+
+
+def check_headroom(headroom) -> float:
+    """``headroom`` as a float if it is a fraction in [0, :data:`MAX_HEADROOM`] (0.15 = 15 % of the other
+    bytes); else ValueError saying so (a value like 5 or 15 is a percentage given as a fraction)."""
+    f = positive_float("headroom", headroom, allow_zero=True)
+    if f > MAX_HEADROOM:
+        raise ValueError(f"headroom={headroom!r} is a fraction of the other bytes (0.15 = 15 %); valid: 0 to "
+                         f"{MAX_HEADROOM:g} (the seeds advise 0.1-0.2)")
+    return f
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> int:
+    """KV heads each tensor-parallel rank holds (weights wk/wv and the KV cache).
+
+    * tp divides n_kv_heads: the heads are split, n_kv_heads/tp per rank;
+    * n_kv_heads < tp and n_kv_heads divides tp: each rank keeps the one kv head its n_heads/tp query heads
+      use, replicated on tp/n_kv_heads ranks (Megatron-LM's GQA with tp > num_query_groups; vLLM's
+      ``QKVParallelLinear``; labkit.parallel.tensor ``kv_plan`` "replicate").
+
+    Raises ValueError when tp does not divide n_heads, or neither divides the other (n_kv_heads, tp), naming
+    the valid tp.
+    """
+    n_heads, n_kv_heads = positive_int("n_heads", n_heads), positive_int("n_kv_heads", n_kv_heads)
+    check_divides("tp", tp, "n_heads", n_heads)
+    if n_kv_heads % tp == 0:
+        return n_kv_heads // tp
+    if tp % n_kv_heads == 0:
+        return 1
+    valid = [d for d in _divisors(n_heads) if n_kv_heads % d == 0 or d % n_kv_heads == 0]
+    raise ValueError(f"tp={tp} neither divides n_kv_heads={n_kv_heads} (to split the kv heads) nor is a multiple "
+                     f"of it (to replicate them); valid tp: {', '.join(map(str, valid))}")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -192,10 +239,12 @@ class ParallelConfig:
     """Parallel degrees of a run: ``dp`` (data), ``tp`` (tensor), ``pp`` (pipeline), ``cp`` (context),
     ``ep`` (expert, carved out of dp·cp as in Megatron-LM), ``zero`` stage 0-3 (FSDP = 3) over dp·cp,
     ``sequence_parallel`` (Korthikanti et al. 2022), ``vpp`` model chunks per pipeline rank and ``schedule``
-    (``gpipe``, ``1f1b``, ``interleaved``; vpp > 1 means interleaved).
+    (``gpipe``, ``1f1b``, ``interleaved``; vpp > 1 means interleaved); ``shard_layout`` how ZeRO splits each
+    tensor over dp·cp (``even``: ceil(numel/N) per rank; ``dim0``: FSDP2's dim-0 chunks, see
+    :func:`shard_numel`).
 
-    World size = dp · tp · pp · cp. Raises ValueError for non-positive degrees, an unknown schedule, a zero
-    stage outside 0..3, ``interleaved`` with vpp < 2, or vpp > 1 with another schedule.
+    World size = dp · tp · pp · cp. Raises ValueError for non-positive degrees, an unknown schedule or shard
+    layout, a zero stage outside 0..3, ``interleaved`` with vpp < 2, or vpp > 1 with another schedule.
     """
 
     dp: int = 1
@@ -207,12 +256,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     vpp: int = 1
     schedule: str = "1f1b"
+    shard_layout: str = "even"
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "cp", "ep", "vpp"):
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         check_choice("zero", self.zero, (0, 1, 2, 3))
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("shard_layout", self.shard_layout, SHARD_LAYOUTS)
         if self.schedule == "interleaved" and self.vpp < 2:
             raise ValueError(f"schedule='interleaved' needs vpp >= 2 model chunks per rank, got vpp={self.vpp}")
         if self.vpp > 1 and self.schedule != "interleaved":
@@ -220,12 +271,14 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        """dp · tp · pp · cp (ep is carved out of dp·cp and adds no ranks)."""
         return self.dp * self.tp * self.pp * self.cp
 
     def check(self, spec: ModelSpec | None, seq_len: int | None = None) -> None:
         """Raise ValueError unless the degrees split ``spec`` (and ``seq_len``) evenly: tp divides n_heads,
-        n_kv_heads, ffn_hidden_size (and the experts' ffn) and vocab_size; pp·vpp divides n_layers; ep
-        divides n_experts and dp·cp; cp divides seq_len."""
+        ffn_hidden_size (and the experts' ffn) and vocab_size, and tp divides n_kv_heads or is a multiple of
+        it (kv heads replicated, :func:`kv_heads_per_rank`); pp·vpp divides n_layers; ep divides n_experts
+        and dp·cp; cp divides seq_len."""
         if seq_len is not None and self.cp > 1:
             check_divides("cp", self.cp, "seq_len", seq_len)
         if spec is None:
@@ -233,7 +286,8 @@ class ParallelConfig:
                 raise ValueError(f"ep={self.ep} / cp={self.cp} need a model spec (a bare parameter count has no "
                                  "experts or sequence)")
             return
-        for size_name in ("n_heads", "n_kv_heads", "ffn_hidden_size", "vocab_size"):
+        kv_heads_per_rank(spec.n_heads, spec.n_kv_heads, self.tp)
+        for size_name in ("ffn_hidden_size", "vocab_size"):
             check_divides("tp", self.tp, size_name, getattr(spec, size_name))
         if spec.is_moe:
             check_divides("tp", self.tp, "expert_ffn_hidden_size", spec.expert_ffn_hidden_size)
@@ -318,6 +372,7 @@ class TrainConfig:
         return c
 
     def act_bits(self) -> int:
+        """Bits per activation element: ``act_dtype``'s, else the resolved convention's parameter bits."""
         if self.act_dtype is not None:
             return dtype_bits(self.act_dtype)
         return self.resolved_convention().param_bits
@@ -353,12 +408,14 @@ class InferConfig:
         check_choice("attention", self.attention, ATTENTION)
 
     def kv_bits(self) -> int:
+        """Bits per KV-cache element: ``kv_dtype``'s; else 16 for int8/int4 weights, else the weights'."""
         if self.kv_dtype is not None:
             return dtype_bits(self.kv_dtype)
         return 16 if self.weight_dtype in ("int8", "int4") else dtype_bits(self.weight_dtype)
 
     @property
     def context_len(self) -> int:
+        """Tokens cached per sequence at the end: prompt_len + output_len."""
         return self.prompt_len + self.output_len
 
 
@@ -371,7 +428,8 @@ class ParamTensor:
     models), ``shape`` (nn.Linear weights are [out, in]), ``layer`` (None outside the layers), ``part``
     (``embed``, ``layer``, ``final_norm``, ``head``), ``tp_dim`` (the dimension tensor parallelism splits:
     0 for column-parallel / vocab-parallel, 1 for row-parallel, None if replicated), ``expert`` (index, or
-    None for dense tensors)."""
+    None for dense tensors), ``tp_max`` (the most pieces tp may cut it into: n_kv_heads for wk/wv, whose
+    heads are replicated beyond that, :func:`kv_heads_per_rank`; None: no limit)."""
 
     name: str
     shape: tuple[int, ...]
@@ -379,23 +437,27 @@ class ParamTensor:
     part: str
     tp_dim: int | None = None
     expert: int | None = None
+    tp_max: int | None = None
 
     @property
     def numel(self) -> int:
+        """Elements of the whole (unsplit) tensor."""
         return math.prod(self.shape)
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
+        """The shape on one tensor-parallel rank: ``shape[tp_dim]`` / min(tp, tp_max)."""
         if self.tp_dim is None or tp == 1:
             return self.shape
         s = list(self.shape)
-        s[self.tp_dim] //= tp
+        s[self.tp_dim] //= min(tp, self.tp_max) if self.tp_max else tp
         return tuple(s)
 
 
-def _linear(name, out_f, in_f, bias, layer, tp_dim, expert=None) -> list[ParamTensor]:
-    out = [ParamTensor(f"{name}.weight", (out_f, in_f), layer, "layer", tp_dim, expert)]
+def _linear(name, out_f, in_f, bias, layer, tp_dim, expert=None, tp_max=None) -> list[ParamTensor]:
+    out = [ParamTensor(f"{name}.weight", (out_f, in_f), layer, "layer", tp_dim, expert, tp_max)]
     if bias:  # column-parallel biases split with their outputs; row-parallel biases are replicated
-        out.append(ParamTensor(f"{name}.bias", (out_f,), layer, "layer", 0 if tp_dim == 0 else None, expert))
+        out.append(ParamTensor(f"{name}.bias", (out_f,), layer, "layer", 0 if tp_dim == 0 else None, expert,
+                               tp_max if tp_dim == 0 else None))
     return out
 
 
@@ -429,8 +491,8 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
         p = f"layers.{i}"
         out += _norm(f"{p}.attn_norm", spec, i, "layer")
         out += _linear(f"{p}.attn.wq", spec.q_size, h, spec.bias, i, 0)
-        out += _linear(f"{p}.attn.wk", spec.kv_size, h, spec.bias, i, 0)
-        out += _linear(f"{p}.attn.wv", spec.kv_size, h, spec.bias, i, 0)
+        out += _linear(f"{p}.attn.wk", spec.kv_size, h, spec.bias, i, 0, tp_max=spec.n_kv_heads)
+        out += _linear(f"{p}.attn.wv", spec.kv_size, h, spec.bias, i, 0, tp_max=spec.n_kv_heads)
         out += _linear(f"{p}.attn.wo", h, spec.q_size, spec.bias, i, 1)
         out += _norm(f"{p}.mlp_norm", spec, i, "layer")
         if spec.is_moe_layer(i):
@@ -447,7 +509,12 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
 
 def stage_layers(n_layers: int, pp: int, vpp: int, stage: int) -> list[int]:
     """Layers held by pipeline rank ``stage``: with vpp model chunks per rank, chunk c of rank i holds the
-    (c·pp + i)-th block of n_layers/(pp·vpp) consecutive layers (Narayanan et al. 2021, Sec. 2.2.2)."""
+    (c·pp + i)-th block of n_layers/(pp·vpp) consecutive layers (Narayanan et al. 2021, Sec. 2.2.2).
+    Raises ValueError unless pp·vpp divides n_layers and 0 <= stage < pp."""
+    pp, vpp = positive_int("pp", pp), positive_int("vpp", vpp)
+    check_divides("pp*vpp", pp * vpp, "n_layers", n_layers)
+    if not (isinstance(stage, int) and 0 <= stage < pp):
+        raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{pp - 1}")
     per_chunk = n_layers // (pp * vpp)
     return [(c * pp + stage) * per_chunk + j for c in range(vpp) for j in range(per_chunk)]
 
@@ -638,7 +705,10 @@ def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, *, sp: bool =
     =========================  ===============================
 
     ``s`` sequence length, ``b`` micro-batch, ``h`` hidden size, ``a`` attention heads, ``t`` TP degree.
+    Raises ValueError unless s, b, h, a, t are integers >= 1 and t divides a, or for an unknown recompute.
     """
+    s, b, h, a = (positive_int(n, v) for n, v in (("s", s), ("b", b), ("h", h), ("a", a)))
+    check_divides("t", t, "a", a)
     check_choice("recompute", recompute, RECOMPUTE)
     if recompute == "full":
         return s * b * h * 2
@@ -731,15 +801,18 @@ def in_flight_microbatches(schedule: str, pp: int, n_microbatches: int, vpp: int
 
 
 def kv_cache_bytes(spec: ModelSpec, tokens: int, kv_dtype: str = "bf16", tp: int = 1, pp: int = 1) -> int:
-    """KV cache bytes on one rank: 2 (K and V) · n_layers/pp · n_kv_heads/tp · head_dim · bytes per element ·
-    tokens (Pope et al. 2022, Sec. 2). ``tokens`` = concurrent sequences × context length.
+    """KV cache bytes on one rank: 2 (K and V) · n_layers/pp · kv heads per rank · head_dim · bytes per
+    element · tokens (Pope et al. 2022, Sec. 2); kv heads per rank = n_kv_heads/tp, or 1 when the heads are
+    replicated (tp a multiple of n_kv_heads, :func:`kv_heads_per_rank`). ``tokens`` = concurrent sequences ×
+    context length.
 
-    Raises ValueError if tp does not divide n_kv_heads or pp does not divide n_layers.
+    Raises ValueError if tp neither divides n_kv_heads nor is a multiple of it (or does not divide n_heads),
+    or pp does not divide n_layers.
     """
-    check_divides("tp", tp, "n_kv_heads", spec.n_kv_heads)
+    heads = kv_heads_per_rank(spec.n_heads, spec.n_kv_heads, tp)
     check_divides("pp", pp, "n_layers", spec.n_layers)
     tokens = positive_int("tokens", tokens, minimum=0)
-    return nbytes(2 * (spec.n_layers // pp) * (spec.n_kv_heads // tp) * spec.head_dim * tokens, dtype_bits(kv_dtype))
+    return nbytes(2 * (spec.n_layers // pp) * heads * spec.head_dim * tokens, dtype_bits(kv_dtype))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -796,16 +869,22 @@ class MemoryEstimate:
 
     @property
     def fits(self) -> bool | None:
+        """Whether the peak fits the device's memory (None without a device)."""
         return None if self.device_bytes is None else self.total_bytes <= self.device_bytes
 
     @property
     def model_state_bytes(self) -> int:
+        """Parameters + gradients + optimizer state, bytes (no activations, buffers, workspace or headroom)."""
         return sum(self.categories[c] for c in ("parameters", "gradients", "optimizer"))
 
     def verdict(self) -> str:
-        """One line: the peak, and whether it fits the device."""
+        """One line: the predicted peak, and whether it fits the device (for a bare parameter count, a lower
+        bound: model states only)."""
         unit, div = ("GiB", GiB) if self.total_bytes >= GiB // 10 else ("MiB", 2**20)
-        peak = f"peak {self.total_bytes / div:.2f} {unit} per rank"
+        if self.assumptions.get("model_states_only"):
+            peak = f"at least {self.total_bytes / div:.2f} {unit} per rank (model states only)"
+        else:
+            peak = f"peak {self.total_bytes / div:.2f} {unit} per rank"
         if self.device_bytes is None:
             return f"{peak} (no device given)"
         word = "fits" if self.fits else "does NOT fit"
@@ -828,13 +907,23 @@ _UNITS = {"GiB": GiB, "GB": GB, "MiB": 2**20, "MB": 10**6, "bytes": 1}
 
 
 def format_table(est: MemoryEstimate, unit: str = "GiB") -> str:
+    """``est`` as aligned text: a title line saying the numbers are *predicted* per rank (mode, pipeline
+    stage, unit), one line per category of :data:`CATEGORIES` ("not estimated" for what a bare parameter
+    count cannot tell: activations, temporary and communication buffers), the total and the verdict. ``unit``:
+    ``GiB`` (2**30), ``GB`` (10**9), ``MiB``, ``MB`` or ``bytes`` (exact, with thousands separators); other
+    units print 3 decimals. Raises ValueError for an unknown unit."""
     check_choice("unit", unit, _UNITS)
     div = _UNITS[unit]
     fmt = (lambda v: f"{v:,d}") if unit == "bytes" else (lambda v: f"{v / div:,.3f}")
-    rows = [(c, est.categories[c]) for c in CATEGORIES] + [("total (peak)", est.total_bytes)]
-    w = max(len(fmt(v)) for _, v in rows)
-    lines = [f"predicted memory per rank ({est.mode}, pipeline stage {est.stage}), {unit}"]
-    lines += [f"  {name:<14s} {fmt(v):>{w}s}" for name, v in rows]
+    states_only = bool(est.assumptions.get("model_states_only"))
+    unknown = {"activations", "temporary", "communication"} if states_only else set()
+    rows = [(c, est.categories[c]) for c in CATEGORIES]
+    rows.append(("total (lower bound)" if states_only else "total (peak)", est.total_bytes))
+    w = max([len(fmt(v)) for _, v in rows] + [len("not estimated")] * bool(unknown))
+    what = "model states only" if states_only else est.mode
+    lines = [f"predicted memory per rank ({what}, pipeline stage {est.stage}), {unit}"]
+    nw = max(len(name) for name, _ in rows)
+    lines += [f"  {name:<{nw}s} {'not estimated' if name in unknown else fmt(v):>{w}s}" for name, v in rows]
     lines.append(f"  {est.verdict()}")
     return "\n".join(lines)
 
@@ -845,21 +934,52 @@ def _resolve_model(model) -> ModelSpec | int:
     if isinstance(model, str):
         return get_spec(model)
     if isinstance(model, (int, float)) and not isinstance(model, bool):
-        positive_float("n_params", model)
+        if positive_float("n_params", model) < 1:
+            raise ValueError(f"n_params={model!r} must be a parameter count >= 1 (e.g. 7.5e9)")
         return int(model)
     raise ValueError(f"model={model!r} must be a ModelSpec, a preset name or a parameter count")
 
 
-def _shard(n: int, group: int, sharded: bool) -> int:
-    return _ceil_div(n, group) if sharded and group > 1 else n
+def shard_numel(shape: tuple[int, ...], group: int, layout: str = "even", rank: int = 0) -> int:
+    """Elements of one tensor of ``shape`` that shard ``rank`` of a ZeRO group of ``group`` ranks holds.
+
+    * ``even``: ceil(numel/group) on every rank — the ZeRO paper's Ψ/N_d (Rajbhandari et al. 2020, Fig. 1),
+      rounded up per tensor; an upper bound for any even split.
+    * ``dim0``: what FSDP2 ``fully_shard`` does (per-parameter sharding on dim 0, ``torch.chunk`` semantics):
+      chunks of c = ceil(d0/group) rows; rank r holds max(0, min(c, d0 - r·c)) rows × the other dims, so
+      rank 0 holds the most and the last ranks may hold fewer rows (or none) when group does not divide d0.
+
+    Raises ValueError for an unknown layout, group < 1 or rank outside 0..group-1.
+    """
+    check_choice("shard_layout", layout, SHARD_LAYOUTS)
+    group = positive_int("group", group)
+    if not (isinstance(rank, int) and 0 <= rank < group):
+        raise ValueError(f"rank={rank!r} must be a shard index in 0..{group - 1}")
+    shape = tuple(int(d) for d in shape)
+    n = math.prod(shape)
+    if group == 1:
+        return n
+    if layout == "even" or not shape:
+        return _ceil_div(n, group)
+    c = _ceil_div(shape[0], group)
+    rows = max(0, min(c, shape[0] - rank * c))
+    return rows * math.prod(shape[1:])
+
+
+def _shard(shape: tuple[int, ...], group: int, sharded: bool, layout: str, rank: int) -> int:
+    if not sharded or group == 1:
+        return math.prod(shape)
+    return shard_numel(shape, group, layout, rank % group)
 
 
 def _model_states(tensors: Iterable[tuple[ParamTensor | None, tuple[int, ...]]], conv: Convention, optimizer: str,
-                  zero: int, dense_group: int, expert_group: int) -> dict[str, int]:
-    """Bytes of parameters, gradients, optimizer state for (tensor, local shape) pairs under ZeRO ``zero``.
-    Tensors of the same local shape and group (dense / expert) cost the same bytes, so each kind is
-    computed once and multiplied by its count (:func:`_kinds`, :func:`_kind_states`)."""
-    return dict(_kind_states(_kinds(tensors), conv, optimizer, zero, dense_group, expert_group))
+                  zero: int, dense_group: int, expert_group: int, layout: str = "even",
+                  dp_rank: int = 0) -> dict[str, int]:
+    """Bytes of parameters, gradients, optimizer state for (tensor, local shape) pairs under ZeRO ``zero``,
+    on ZeRO shard ``dp_rank`` with :func:`shard_numel`'s ``layout``. Tensors of the same local shape and group
+    (dense / expert) cost the same bytes, so each kind is computed once and multiplied by its count
+    (:func:`_kinds`, :func:`_kind_states`)."""
+    return dict(_kind_states(_kinds(tensors), conv, optimizer, zero, dense_group, expert_group, layout, dp_rank))
 
 
 def _kinds(tensors) -> tuple[tuple[tuple[tuple[int, ...], bool], int], ...]:
@@ -872,23 +992,26 @@ def _kinds(tensors) -> tuple[tuple[tuple[tuple[int, ...], bool], int], ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _kind_states(kinds, conv: Convention, optimizer: str, zero: int, dense_group: int,
-                 expert_group: int) -> tuple[tuple[str, int], ...]:
+def _kind_states(kinds, conv: Convention, optimizer: str, zero: int, dense_group: int, expert_group: int,
+                 layout: str = "even", dp_rank: int = 0) -> tuple[tuple[str, int], ...]:
     """:func:`_model_states` of grouped tensors, as ((category, bytes), ...) (cached: the middle pipeline
     stages of a model hold the same kinds)."""
     out = {"parameters": 0, "gradients": 0, "optimizer": 0}
     for (shape, is_expert), count in kinds:
-        n = math.prod(shape)
         g = expert_group if is_expert else dense_group
-        grads = nbytes(_shard(n, g, zero >= 2), conv.grad_bits) + nbytes(_shard(n, g, zero >= 1), conv.grad_fp32_bits)
-        opt = nbytes(_shard(n, g, zero >= 1), conv.master_bits)
+
+        def part(level, g=g, shape=shape):  # elements held once ZeRO stage >= level shards this state
+            return _shard(shape, g, zero >= level, layout, dp_rank)
+
+        grads = nbytes(part(2), conv.grad_bits) + nbytes(part(1), conv.grad_fp32_bits)
+        opt = nbytes(part(1), conv.master_bits)
         if optimizer == "adafactor":  # factored second moment (Shazeer & Stern 2018): rows + cols per matrix
-            states = shape[0] + shape[1] if len(shape) == 2 else n
-            opt += nbytes(_shard(states, g, zero >= 1), conv.state_bits) + conv.step_bytes
+            states = shape[0] + shape[1] if len(shape) == 2 else math.prod(shape)  # split evenly (any layout)
+            opt += nbytes(_shard((states,), g, zero >= 1, "even", 0), conv.state_bits) + conv.step_bytes
         else:
-            opt += _N_STATES[optimizer] * nbytes(_shard(n, g, zero >= 1), conv.state_bits)
+            opt += _N_STATES[optimizer] * nbytes(part(1), conv.state_bits)
             opt += conv.step_bytes if optimizer == "adamw" else 0
-        out["parameters"] += count * nbytes(_shard(n, g, zero >= 3), conv.param_bits)
+        out["parameters"] += count * nbytes(part(3), conv.param_bits)
         out["gradients"] += count * grads
         out["optimizer"] += count * opt
     return tuple(out.items())
@@ -910,9 +1033,11 @@ def _device_info(device: str | None, workspace_bytes: int | None):
 
 def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConfig | None = None, *,
                  device: str | None = None, headroom: float = DEFAULT_HEADROOM, workspace_bytes: int | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage: int | None = None) -> MemoryEstimate:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stage: int | None = None,
+                 dp_rank: int = 0) -> MemoryEstimate:
     """Predicted training memory per rank, by category (bytes), on the pipeline stage with the highest peak
-    (or on pipeline rank ``stage`` when given; ``per_stage`` always lists every stage's peak).
+    (or on pipeline rank ``stage`` when given; ``per_stage`` always lists every stage's peak), for ZeRO shard
+    ``dp_rank`` in 0..dp·cp-1 (it matters only with ``shard_layout="dim0"``, where rank 0 holds the most).
 
     ``model``: a ModelSpec, a preset name, or a bare parameter count (model states only: activations and
     buffers are 0, and the count is split evenly over tp·pp). ``parallel`` / ``train``: see
@@ -940,7 +1065,7 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
     """
     parallel = parallel or ParallelConfig()
     train = train or TrainConfig()
-    headroom = positive_float("headroom", headroom, allow_zero=True)
+    headroom = check_headroom(headroom)
     bucket_bytes = positive_int("bucket_bytes", bucket_bytes, minimum=0)
     spec = _resolve_model(model)
     is_spec = isinstance(spec, ModelSpec)
@@ -949,6 +1074,9 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
     dev, workspace = _device_info(device, workspace_bytes)
     dense_group = parallel.dp * parallel.cp
     expert_group = max(1, dense_group // parallel.ep)
+    if not (isinstance(dp_rank, int) and not isinstance(dp_rank, bool) and 0 <= dp_rank < dense_group):
+        raise ValueError(f"dp_rank={dp_rank!r} must be a ZeRO shard index in 0..{dense_group - 1} (dp*cp ranks)")
+    shard = (parallel.shard_layout, dp_rank)
     e = train.act_bits() / 8
 
     if not is_spec:
@@ -956,11 +1084,13 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
             raise ValueError("optimizer='adafactor' needs a ModelSpec (its state is factored per matrix), not a "
                              "bare parameter count")
         local = _ceil_div(spec, parallel.tp * parallel.pp)
-        cats = _model_states([(None, (local,))], conv, train.optimizer, parallel.zero, dense_group, expert_group)
+        cats = _model_states([(None, (local,))], conv, train.optimizer, parallel.zero, dense_group, expert_group,
+                             *shard)
         cats["workspace"] = workspace
         cats = _finish(cats, headroom)
         assumptions = _train_assumptions(conv, train, parallel, headroom, workspace, bucket_bytes,
                                          model_states_only=True)
+        assumptions["dp_rank"] = dp_rank
         return MemoryEstimate("train", cats, spec, local, assumptions, 0, [sum(cats.values())],
                               dev["name"] if dev else None, dev["memory_bytes"] if dev else None)
 
@@ -969,12 +1099,13 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
     per_stage, results = [], []
     for k in range(parallel.pp):
         results.append(_train_stage(spec, parallel, train, conv, k, dense_group, expert_group, e, workspace,
-                                    headroom, bucket_bytes))
+                                    headroom, bucket_bytes, shard))
         per_stage.append(sum(results[-1][0].values()))
     if stage is None:
         stage = max(range(parallel.pp), key=lambda k: per_stage[k])
     cats, n_local, details = results[stage]
     assumptions = _train_assumptions(conv, train, parallel, headroom, workspace, bucket_bytes)
+    assumptions["dp_rank"] = dp_rank
     assumptions["in_flight_microbatches"] = in_flight_microbatches(parallel.schedule, parallel.pp,
                                                                    train.n_microbatches, parallel.vpp, stage)
     return MemoryEstimate("train", cats, _n_params(spec), n_local, assumptions, stage, per_stage,
@@ -1014,10 +1145,11 @@ def _edge_bytes(spec: ModelSpec, train: TrainConfig, parallel: ParallelConfig) -
             sum(i.nbytes for i in edges if i.where == "last_stage"))
 
 
-def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, e, workspace, headroom, bucket_bytes):
+def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, e, workspace, headroom, bucket_bytes,
+                 shard=("even", 0)):
     t, sp = parallel.tp, parallel.sequence_parallel
     kinds, n_local, biggest_layer = _stage_shapes(spec, parallel.pp, parallel.vpp, parallel.ep, stage, t)
-    cats = dict(_kind_states(kinds, conv, train.optimizer, parallel.zero, dense_group, expert_group))
+    cats = dict(_kind_states(kinds, conv, train.optimizer, parallel.zero, dense_group, expert_group, *shard))
     layers = stage_layers(spec.n_layers, parallel.pp, parallel.vpp, stage)
     first, last = stage == 0, stage == parallel.pp - 1
     fly = in_flight_microbatches(parallel.schedule, parallel.pp, train.n_microbatches, parallel.vpp, stage)
@@ -1056,7 +1188,7 @@ def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, 
     if parallel.pp > 1:
         comm += int(2 * n * h * e / rep)
     if parallel.cp > 1:
-        comm += int(2 * 2 * n * spec.kv_size / t * e)
+        comm += int(2 * 2 * n * kv_heads_per_rank(spec.n_heads, spec.n_kv_heads, t) * spec.head_dim * e)
     if parallel.ep > 1:
         comm += int(2 * n * spec.top_k * train.capacity_factor * h * e)
     cats["communication"] = comm
@@ -1077,6 +1209,7 @@ def _train_assumptions(conv, train, parallel, headroom, workspace, bucket_bytes,
         "optimizer": train.optimizer,
         "zero": parallel.zero,
         "zero_shards_over": parallel.dp * parallel.cp,
+        "shard_layout": parallel.shard_layout,
         "parallel": asdict(parallel),
         "headroom_fraction": headroom,
         "workspace_bytes": workspace,
@@ -1101,11 +1234,12 @@ def infer_memory(model, parallel: ParallelConfig | None = None, infer: InferConf
 
     * parameters — every local tensor at ``weight_dtype`` (int8/int4 add one fp16 scale per
       :data:`QUANT_GROUP` weights; the lab quantises every tensor, embeddings and norms included).
-    * kv_cache — :func:`kv_cache_bytes` for batch × (prompt + output) tokens, split by tp and pp (and cp).
-    * workspace — the largest prefill transient of one layer (lab assumption): n·(h + (q + 2kv)/t +
-      max(2q/t, 3f/t))·e with n = ``prefill_tokens`` (default one prompt), plus the eager score matrix
-      (n/s sequences)·a/t·s²·e, plus the fp32 logits of one token per sequence batch·v/t·4; plus
-      ``workspace_bytes`` (None -> 1 GiB with a device, else 0).
+    * kv_cache — :func:`kv_cache_bytes` for batch × (prompt + output) tokens, split by tp (kv heads
+      replicated when tp > n_kv_heads: :func:`kv_heads_per_rank`) and pp (and cp).
+    * workspace — the largest prefill transient of one layer (lab assumption): n·(h + q/t + 2kv' +
+      max(2q/t, 3f/t))·e (kv' = kv heads per rank × head_dim) with n = ``prefill_tokens`` (default one
+      prompt), plus the eager score matrix (n/s sequences)·a/t·s²·e, plus the fp32 logits of one token per
+      sequence batch·v/t·4; plus ``workspace_bytes`` (None -> 1 GiB with a device, else 0).
     * communication — one n·h·e buffer for TP all-reduce, 2·n·h·e send/recv for PP.
     * headroom — ``headroom`` × the rest.
 
@@ -1113,7 +1247,7 @@ def infer_memory(model, parallel: ParallelConfig | None = None, infer: InferConf
     """
     parallel = parallel or ParallelConfig()
     infer = infer or InferConfig()
-    headroom = positive_float("headroom", headroom, allow_zero=True)
+    headroom = check_headroom(headroom)
     spec = _resolve_model(model)
     if not isinstance(spec, ModelSpec):
         raise ValueError("mode 'infer' needs a model spec (--model), not a bare parameter count: the KV cache "
@@ -1131,15 +1265,16 @@ def infer_memory(model, parallel: ParallelConfig | None = None, infer: InferConf
         if infer.weight_dtype in ("int8", "int4"):
             cats["parameters"] += 2 * sum(_ceil_div(math.prod(x.local_shape(t)), QUANT_GROUP) for x in tensors)
         n_stage_layers = spec.n_layers // parallel.pp
-        cats["kv_cache"] = nbytes(2 * n_stage_layers * (spec.n_kv_heads // t) * spec.head_dim * infer.batch
+        kv_heads = kv_heads_per_rank(spec.n_heads, spec.n_kv_heads, t)
+        cats["kv_cache"] = nbytes(2 * n_stage_layers * kv_heads * spec.head_dim * infer.batch
                                   * _ceil_div(infer.context_len, parallel.cp), infer.kv_bits())
         s = infer.prompt_len // parallel.cp
         n = (infer.prefill_tokens or infer.prompt_len) // parallel.cp
         seqs = max(1, n // s)
-        q, kv, f, h = spec.q_size, spec.kv_size, spec.ffn_hidden_size, spec.hidden_size
+        q, f, h = spec.q_size, spec.ffn_hidden_size, spec.hidden_size
         if spec.is_moe:
             f = spec.expert_ffn_hidden_size * spec.top_k
-        ws = n * (h + (q + 2 * kv) / t + max(2 * q / t, 3 * f / t)) * e
+        ws = n * (h + q / t + 2 * kv_heads * spec.head_dim + max(2 * q / t, 3 * f / t)) * e
         if infer.attention == "eager":
             ws += seqs * spec.n_heads / t * s * infer.prompt_len * e
         if stage == parallel.pp - 1:
@@ -1162,14 +1297,22 @@ def infer_memory(model, parallel: ParallelConfig | None = None, infer: InferConf
                    "prefill_tokens": infer.prefill_tokens or infer.prompt_len,
                    "quant_group": QUANT_GROUP if infer.weight_dtype in ("int8", "int4") else None,
                    "headroom_fraction": headroom, "workspace_bytes": workspace,
-                   "kv_formula": "2 * n_layers/pp * n_kv_heads/tp * head_dim * bytes * batch * (prompt + output)"}
+                   "kv_heads_per_rank": kv_heads_per_rank(spec.n_heads, spec.n_kv_heads, t),
+                   "kv_formula": "2 * n_layers/pp * kv_heads_per_rank * head_dim * bytes * batch * (prompt + "
+                                 "output); kv_heads_per_rank = n_kv_heads/tp, or 1 when tp > n_kv_heads (replicated)"}
     return MemoryEstimate("infer", cats, spec.n_params(), n_local, assumptions, stage, per_stage,
                           dev["name"] if dev else None, dev["memory_bytes"] if dev else None)
 
 
 def convention_table(n_params: float, dp: int = 1, zero: int = 0, optimizer: str = "adamw") -> list[dict]:
     """Model-state bytes per rank of ``n_params`` parameters under every convention of :data:`CONVENTIONS`
-    (rows: convention, bytes_per_param unsharded, parameters, gradients, optimizer, total bytes, source)."""
+    (rows: convention, bytes_per_param unsharded, parameters, gradients, optimizer, total bytes, source).
+    Raises ValueError for n_params < 1, dp < 1, a zero stage outside 0..3 or an unknown optimizer."""
+    if isinstance(n_params, bool) or not isinstance(n_params, (int, float)):
+        raise ValueError(f"n_params={n_params!r} must be a parameter count (a number >= 1)")
+    n_params = _resolve_model(n_params)
+    check_choice("zero", zero, (0, 1, 2, 3))
+    check_choice("optimizer", optimizer, ("adamw", "sgd"))
     rows = []
     for name, conv in CONVENTIONS.items():
         cats = _model_states([(None, (int(n_params),))], conv, optimizer, zero, positive_int("dp", dp), 1)
@@ -1180,14 +1323,15 @@ def convention_table(n_params: float, dp: int = 1, zero: int = 0, optimizer: str
 
 def estimate(mode: str = "train", **kwargs) -> MemoryEstimate:
     """One call for the CLI and widgets: ``mode`` ``train`` or ``infer``; ``model``; parallel fields (dp, tp, pp,
-    cp, ep, zero, sequence_parallel, vpp, schedule); train or infer fields; ``device``, ``headroom``,
-    ``workspace_bytes``, ``bucket_bytes``. Unknown keywords raise ValueError naming them."""
+    cp, ep, zero, sequence_parallel, vpp, schedule, shard_layout); train or infer fields; ``device``,
+    ``headroom``, ``workspace_bytes``, and for training ``bucket_bytes``, ``dp_rank``. Unknown keywords raise
+    ValueError naming them."""
     check_choice("mode", mode, MODES)
     model = kwargs.pop("model")
     par_fields = {f for f in ParallelConfig.__dataclass_fields__}
     cfg_cls = TrainConfig if mode == "train" else InferConfig
     cfg_fields = set(cfg_cls.__dataclass_fields__)
-    top = {"device", "headroom", "workspace_bytes"} | ({"bucket_bytes"} if mode == "train" else set())
+    top = {"device", "headroom", "workspace_bytes"} | ({"bucket_bytes", "dp_rank"} if mode == "train" else set())
     unknown = set(kwargs) - par_fields - cfg_fields - top
     if unknown:
         valid = sorted(par_fields | cfg_fields | top)

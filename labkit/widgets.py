@@ -12,6 +12,12 @@
   pipeline stage, coloured by node.
 
 Views only: no torch import; ipywidgets is imported when a panel is built, so the figures work without it.
+
+The panels never capture output into their ``ipywidgets.Output`` (no ``with out:``, no ``out.clear_output``): they
+replace its ``outputs`` from the kernel (:func:`show_in`). Capturing makes a headless runner (nbclient, under
+papermill and ``labkit run``) play the frontend and send a ``comm_msg`` on the shell channel while it waits on
+that channel for the cell's ``execute_reply``; the wake-up for the reply can be lost and the runner then sits until
+the cell timeout before reading it (jupyter/nbclient#312), and reports the cell as ok.
 """
 
 from __future__ import annotations
@@ -35,6 +41,28 @@ _UNIT = {"GiB": mem.GiB, "MiB": 2**20, "KiB": 2**10, "bytes": 1}
 def _unit(unit: str) -> int:
     check_choice("unit", unit, _UNIT)
     return _UNIT[unit]
+
+
+def mime_bundle(obj) -> dict:
+    """The display data of ``obj`` as a ``{mimetype: data}`` dict: its ``_repr_mimebundle_()`` (plotly: the
+    notebook's default renderer), or for a plotly figure outside a notebook plotly's own
+    ``application/vnd.plotly.v1+json`` bundle, else ``{"text/plain": repr(obj)}``."""
+    rep = getattr(obj, "_repr_mimebundle_", None)
+    data = rep() if callable(rep) else None
+    if isinstance(data, tuple):
+        data = data[0]
+    if not data and isinstance(obj, go.Figure):
+        import plotly.io as pio
+
+        data = pio.renderers["plotly_mimetype"].to_mimebundle(obj.to_dict())
+    return dict(data) if data else {"text/plain": repr(obj)}
+
+
+def show_in(out, obj=None) -> None:
+    """Make the ``ipywidgets.Output`` ``out`` show ``obj`` alone (nothing when None) by setting its ``outputs``
+    trait from the kernel (what ``Output.append_display_data`` does), never by capturing: see the module
+    docstring for why a captured display can stall a headless run until the cell timeout."""
+    out.outputs = () if obj is None else ({"output_type": "display_data", "data": mime_bundle(obj), "metadata": {}},)
 
 
 def memory_bars(budgets: Mapping[str, mem.MemoryEstimate | Mapping[str, int]], *, unit: str = "GiB",
@@ -96,8 +124,9 @@ def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb",
     Returns the ``ipywidgets.VBox``; its ``.estimate()`` / ``.figure()`` give the current MemoryEstimate and
     figure (None while the input is invalid).
     """
+    import html
+
     import ipywidgets as w
-    from IPython.display import display
 
     from labkit.spec import presets
 
@@ -126,7 +155,7 @@ def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb",
                                         description="sequence parallel"),
         "device": w.Dropdown(options=devs, value=device, description="device", style=style),
     }
-    out = w.Output()  # plotly's FigureWidget needs anywidget; an Output redisplayed per change does not
+    out = w.Output()  # plotly's FigureWidget needs anywidget; an Output (filled by show_in) does not
     verdict = w.HTML()
     state = {"est": None, "fig": None}
 
@@ -137,15 +166,13 @@ def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb",
             est = mem.estimate("train", **kw)
         except ValueError as e:
             state["est"] = state["fig"] = None
-            verdict.value = f"<b style='color:#b00'>invalid:</b> {e}"
-            out.clear_output(wait=True)
+            verdict.value = f"<b style='color:#b00'>invalid:</b> {html.escape(str(e))}"
+            show_in(out)
             return
         state["est"] = est
         state["fig"] = memory_bars({kw["model"]: est}, device_bytes=est.device_bytes, height=380,
                                    title=f"Predicted training memory per rank, {kw['model']}")
-        out.clear_output(wait=True)
-        with out:
-            display(state["fig"])
+        show_in(out, state["fig"])
         color = "#080" if est.fits or est.fits is None else "#b00"
         verdict.value = (f"<span style='color:{color}'><b>{est.verdict()}</b></span><br>world size "
                          f"{kw['dp'] * kw['tp'] * kw['pp']}, stage {est.stage}, convention "
@@ -201,7 +228,6 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
     import html
 
     import ipywidgets as w
-    from IPython.display import display
 
     from labkit import planner
     from labkit.spec import presets
@@ -238,7 +264,7 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
         except ValueError as e:
             state["plan"] = state["fig"] = None
             info.value = f"<b style='color:#b00'>no plan:</b> {html.escape(str(e))}"
-            out.clear_output(wait=True)
+            show_in(out)
             return
         state["plan"] = p
         state["fig"] = plan_bars(p, top=top, height=380)
@@ -250,9 +276,7 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
                       f"{len(p.rejected)} rejected ({html.escape(str(p.rejection_summary()))})"
                       "<table><tr><th>#</th><th>mesh</th><th>recompute</th><th>peak GiB</th><th>step s</th>"
                       f"<th>MFU</th><th>reason</th></tr>{rows}</table>")
-        out.clear_output(wait=True)
-        with out:
-            display(state["fig"])
+        show_in(out, state["fig"])
 
     for c in ctl.values():
         c.observe(redraw, names="value")
