@@ -104,8 +104,30 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
         name = type(e).__name__
         status = "timeout" if "Timeout" in name or "DeadKernel" in name else "failed"
         error = f"{name}: {e}".splitlines()[0]
+    if status == "ok":
+        stalled = stalled_cells(output, cell_timeout_s)
+        if stalled:
+            # nbclient can miss a reply and wait out the whole cell timeout, then carry on as if nothing
+            # happened (jupyter/nbclient#312): a cell that lasted the timeout did not really succeed
+            status = "timeout"
+            error = (f"cell(s) {', '.join(map(str, stalled))} ran for the whole {cell_timeout_s:g} s cell "
+                     "timeout (stalled)")
     return {"notebook": path.name, "status": status, "seconds": round(time.perf_counter() - t0, 1),
             "parameters": applied, "error": error, "output": str(output)}
+
+
+def stalled_cells(executed: str | Path, cell_timeout_s: float, margin_s: float = 0.5) -> list[int]:
+    """Indices of code cells of an executed notebook whose papermill duration reached the cell timeout
+    (within ``margin_s``)."""
+    import nbformat
+
+    nb = nbformat.read(str(executed), as_version=4)
+    out = []
+    for i, cell in enumerate(nb.cells):
+        duration = cell.get("metadata", {}).get("papermill", {}).get("duration")
+        if cell.cell_type == "code" and duration is not None and duration >= cell_timeout_s - margin_s:
+            out.append(i)
+    return out
 
 
 def run_chapters(chapters: list[str] | None = None, out: str | Path | None = None, parameters: dict | None = None,

@@ -84,6 +84,17 @@ def test_runner_timeout_failure_parameters_and_notebook_defined_rank_fn(tmp_path
     assert (out / "00_launch.ipynb").exists()
 
 
+def test_a_cell_that_lasted_the_timeout_is_not_ok(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("y = 2")]
+    nb.cells[0].metadata["papermill"] = {"duration": 0.1}
+    nb.cells[1].metadata["papermill"] = {"duration": 29.8}  # what nbclient#312 leaves behind
+    path = tmp_path / "x.ipynb"
+    nbformat.write(nb, str(path))
+    assert notebooks.stalled_cells(path, 30.0) == [1]
+    assert notebooks.stalled_cells(path, 60.0) == []
+
+
 def test_discover_and_parameters_errors(tmp_path):
     with pytest.raises(ValueError, match="chapter '7' not found"):
         notebooks.discover(["7"], folder=tmp_path)
