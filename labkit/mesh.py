@@ -65,7 +65,7 @@ RULES = {
     "order": "order is a permutation of tp, cp, dp, pp",
     "ep_in_dp_cp": "ep divides dp * cp (expert parallelism is carved out of the data/context-parallel ranks)",
     "tp_heads": "tp divides n_heads",
-    "tp_kv_heads": "tp divides n_kv_heads",
+    "tp_kv_heads": "tp divides n_kv_heads (heads split), or n_kv_heads divides tp (each kv head replicated)",
     "tp_hidden": "tp divides hidden_size",
     "tp_ffn": "tp divides ffn_hidden_size (and expert_ffn_hidden_size for MoE)",
     "pp_layers": "pp * vpp divides n_layers",
@@ -246,9 +246,15 @@ class ParallelDims:
         (node_alignment). Empty when valid. Raises ValueError only for a non-positive size argument."""
         out: list[Violation] = []
         if spec is not None:
-            for rule, size_name in (("tp_heads", "n_heads"), ("tp_kv_heads", "n_kv_heads"),
-                                    ("tp_hidden", "hidden_size"), ("tp_ffn", "ffn_hidden_size")):
+            for rule, size_name in (("tp_heads", "n_heads"), ("tp_hidden", "hidden_size"),
+                                    ("tp_ffn", "ffn_hidden_size")):
                 out += _divides(rule, "tp", self.tp, size_name, getattr(spec, size_name))
+            if spec.n_kv_heads % self.tp and self.tp % spec.n_kv_heads:
+                # the same rule as labkit.memory.kv_heads_per_rank and labkit.parallel.tensor (split or replicate)
+                valid = [d for d in divisors(spec.n_heads) if spec.n_kv_heads % d == 0 or d % spec.n_kv_heads == 0]
+                out.append(Violation("tp_kv_heads", f"[tp_kv_heads] tp={self.tp} neither divides n_kv_heads="
+                                     f"{spec.n_kv_heads} (to split the kv heads) nor is a multiple of it (to "
+                                     f"replicate them); valid tp: {', '.join(map(str, valid))}"))
             if spec.is_moe and spec.expert_ffn_hidden_size != spec.ffn_hidden_size:
                 out += _divides("tp_ffn", "tp", self.tp, "expert_ffn_hidden_size", spec.expert_ffn_hidden_size)
             if self.vpp > 1:

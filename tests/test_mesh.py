@@ -38,7 +38,7 @@ def oracle(world, dp, tp, pp, cp, ep, vpp, spec, seq_len, gbs, mbs):
     bad = set()
     if spec.n_heads % tp:
         bad.add("tp_heads")
-    if spec.n_kv_heads % tp:
+    if spec.n_kv_heads % tp and tp % spec.n_kv_heads:  # kv heads neither split nor replicated
         bad.add("tp_kv_heads")
     if spec.hidden_size % tp:
         bad.add("tp_hidden")
@@ -104,7 +104,8 @@ def test_validation_matches_the_oracle(cfg):
     else:  # accepted: the product is the world and every divisibility holds
         dims.check(spec, **kwargs)
         assert world == dp * tp * pp * cp
-        assert spec.n_heads % tp == 0 and spec.n_kv_heads % tp == 0 and spec.hidden_size % tp == 0
+        assert spec.n_heads % tp == 0 and spec.hidden_size % tp == 0
+        assert spec.n_kv_heads % tp == 0 or tp % spec.n_kv_heads == 0
         assert spec.ffn_hidden_size % tp == 0 and spec.n_layers % (pp * vpp) == 0 and seq_len % cp == 0
         assert (dp * cp) % ep == 0 and (ep == 1 or spec.n_experts % ep == 0)
         m = dims.n_microbatches(gbs, mbs)
@@ -116,8 +117,11 @@ def test_messages_name_the_fix():
         ParallelDims(8, dp=2, tp=2)
     with pytest.raises(ValueError, match=r"tp=0 must be an integer >= 1"):
         ParallelDims(4, dp=4, tp=0)
-    with pytest.raises(MeshError, match=r"valid tp: 1, 2, 4, 8"):
-        ParallelDims(16, dp=1, tp=16).check(LLAMA70)
+    ParallelDims(16, dp=1, tp=16).check(LLAMA70)  # 8 kv heads, each replicated on 2 ranks
+    with pytest.raises(MeshError, match=r"tp=3 does not divide n_heads=64; valid tp: 1, 2, 4, 8, 16, 32, 64"):
+        ParallelDims(3, dp=1, tp=3).check(LLAMA70)
+    with pytest.raises(MeshError, match=r"tp=4 neither divides n_kv_heads=6 .* valid tp: 1, 2, 3, 6, 12"):
+        ParallelDims(4, dp=1, tp=4).check(LLAMA70.replace(n_heads=48, n_kv_heads=6, hidden_size=6144))
     with pytest.raises(MeshError, match=r"tp\*pp\*cp=3 does not divide world_size=8; valid tp\*pp\*cp: 1, 2, 4, 8"):
         ParallelDims.infer_dp(8, tp=3)
     # the field case: global batch 8 in 3 micro-batches, and fewer micro-batches than stages
