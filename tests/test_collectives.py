@@ -87,6 +87,84 @@ def test_plan_aligns_generated_sizes_and_rejects_typed_ones():
     assert col.align_size("all_to_all", 10, 4) == 16  # at least one valid size
 
 
+CHAPTER = dict(world_size=2, ops="all", min_size="1K", max_size="4M", factor=8, warmup=2, repeats=5,
+               ar_size="1M", repartition_size="4M", overlap_size="1M")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"world_size": 1}, r"chapter 02 needs world_size >= 2: a collective moves data between ranks.*got "
+                        r"world_size=1"),
+    ({"min_size": "1K", "max_size": "1K"}, r"give all_reduce only 1 size .*the alpha-beta fit needs at least 2: "
+                                           r"raise max_size to at least 8K"),
+    ({"min_size": "1K", "max_size": "4K"}, r"only 1 size"),  # 1K * 8 > 4K: one size again
+    ({"min_size": "8K", "max_size": "1K"}, r"min_size=8192 is larger than max_size=1024"),
+    ({"factor": 1}, r"factor=1 must be an integer >= 2"),
+    ({"ops": "allreduce"}, r"op='allreduce' is not valid"),
+    ({"repeats": 0}, r"repeats=0 must be an integer >= 1"),
+    ({"warmup": -1}, r"warmup=-1 must be an integer >= 0"),
+    ({"ar_size": "0"}, r"ar_size='0' is not a size|ar_size=0"),
+    ({"ar_size": 4}, r"ar_size=4 is smaller than one reduce_scatter unit on 2 ranks \(8 bytes"),
+    ({"repartition_size": "8"}, r"repartition_size='8' is smaller than one all_to_all unit on 2 ranks"),
+    ({"overlap_size": "1T"}, r"overlap_size='1T' is not a size"),
+    ({"n_matmuls": 0}, r"n_matmuls=0 must be an integer >= 1"),
+    ({"backend": "mpi"}, r"backend='mpi' is not valid"),
+])
+def test_check_chapter_rejects_before_launch(change, match):
+    with pytest.raises(ValueError, match=match):
+        col.check_chapter(**{**CHAPTER, **change})
+
+
+def test_check_chapter_rounds_the_experiment_sizes_and_says_so():
+    ok = col.check_chapter(**CHAPTER)
+    assert (ok["ar_size"], ok["repartition_size"], ok["overlap_size"]) == (1 << 20, 4 << 20, 1 << 20)
+    assert ok["notes"] == [] and ok["sweep_sizes"]["all_reduce"] == [1024, 8192, 65536, 524288, 4194304]
+    three = col.check_chapter(**{**CHAPTER, "world_size": 3})
+    assert three["ar_size"] == 1048572 and three["ar_size"] % 12 == 0  # 3 float32 chunks
+    assert three["repartition_size"] == 4194288 and three["repartition_size"] % 36 == 0  # 3 shards of 3
+    assert len(three["notes"]) == 2 and "ar_size='1M' (1048576 bytes) rounded down to 1048572" in three["notes"][0]
+    assert three["sweep_sizes"]["all_gather"][0] == 1020
+    # what the launch will be given is accepted by the experiments
+    assert col._ar_prepare(3, three["ar_size"])["nbytes"] == three["ar_size"]
+    assert col._repartition_prepare(3, three["repartition_size"])["nbytes"] == three["repartition_size"]
+
+
+def test_fit_table_of_nothing_still_has_its_columns():
+    one = col.summarize(_raw("all_reduce", [1024], lambda s: 1e-4), 2)
+    fits = col.fit_table(one)
+    assert fits.empty and list(fits.columns) == col.FIT_COLUMNS
+    assert (fits["beta_s_per_byte"] > 0).all()  # what the chapter checks: no KeyError on an empty fit
+
+
+def _overlap_summary(comp_ms, comm_ms, exposed_ov_ms):
+    return pd.DataFrame([
+        {"mode": "serialised", "compute_s": comp_ms / 1e3, "comm_s": comm_ms / 1e3,
+         "step_s": (comp_ms + comm_ms) / 1e3, "exposed_comm_s": comm_ms / 1e3, "hidden_fraction": 0.0},
+        {"mode": "overlapped", "compute_s": comp_ms / 1e3, "comm_s": max(comp_ms, comm_ms) / 1e3,
+         "step_s": max(comp_ms, comm_ms) / 1e3, "exposed_comm_s": exposed_ov_ms / 1e3,
+         "hidden_fraction": 1 - exposed_ov_ms / comm_ms}])
+
+
+def test_overlap_verdict_follows_the_numbers():
+    hid = col.overlap_verdict(_overlap_summary(30, 10, 0.2))
+    assert hid["hides"] and hid["compute_covers_comm"] and hid["hidden_fraction"] == pytest.approx(0.98)
+    assert hid["predicted_max_hidden_fraction"] == 1.0
+    assert hid["conclusion"].startswith("In this run overlap hid communication") and "98% hidden" in hid["conclusion"]
+    short = col.overlap_verdict(_overlap_summary(3, 10, 9))
+    assert not short["hides"] and not short["compute_covers_comm"]
+    assert short["predicted_max_hidden_fraction"] == pytest.approx(0.3)
+    assert "less compute than communication" in short["conclusion"] and "at most 30% can hide" in short["conclusion"]
+    worse = col.overlap_verdict(_overlap_summary(30, 10, 16))  # overlapped exposes more than serialised
+    assert not worse["hides"] and worse["hidden_fraction"] == pytest.approx(-0.6)
+    assert "did NOT hide" in worse["conclusion"] and "-60% hidden" in worse["conclusion"]
+    with pytest.raises(ValueError, match="expected serialised and overlapped"):
+        col.overlap_verdict(_overlap_summary(1, 1, 1).iloc[:1])
+
+
+def test_reference_dir_is_documented():
+    assert "data/reference/collectives" in col.reference_dir.__doc__
+    assert col.reference_dir().parts[-2:] == ("reference", "collectives")
+
+
 # ------------------------------------------------------------------------------------------------------
 # expected values, checked against an independent single-process simulation of each collective
 # ------------------------------------------------------------------------------------------------------
@@ -319,6 +397,40 @@ def test_cli_bad_input_one_line_exit_2(argv, match, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert match in err and err.count("\n") == 1
+
+
+def test_cli_rejects_a_non_positive_timeout_before_launch(capsys):
+    assert cli_main(["bench", "collectives", "--timeout-s", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "timeout_s=0.0 must be a finite number > 0" in err and err.count("\n") == 1
+
+
+def _bench_args(*argv):
+    from labkit.cli import build_parser
+
+    return build_parser().parse_args(["bench", "collectives", *argv])
+
+
+def test_bench_lets_launch_errors_and_broken_pipes_reach_the_cli(monkeypatch):
+    """labkit.cli turns LaunchError and BrokenPipeError into one line and exit 2 for every command; the
+    command must not swallow them (or print a traceback of its own)."""
+    from labkit.commands import bench
+    from labkit.launcher import LaunchError
+
+    with pytest.raises(LaunchError):  # far too short for spawn + rendezvous
+        bench.run(_bench_args("--timeout-s", "0.2", "--ops", "all_reduce", "--max-size", "1K"))
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    with pytest.raises(BrokenPipeError):  # `labkit bench collectives --json | head -0`
+        bench.run(_bench_args("--ops", "all_reduce", "--max-size", "1K", "--warmup", "0", "--repeats", "1",
+                              "--json"))
 
 
 def test_cli_bench_needs_a_benchmark(capsys):
