@@ -712,8 +712,8 @@ def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict
                f"zigzag the busiest computed {out['counted_zigzag_ratio']:.2f}x the least busy (predicted 1). ")
     weighted = ""
     if "predicted_weighted_naive_ratio" in out:
-        weighted = (f"; {out['predicted_weighted_naive_ratio']:.2f} once a masked diagonal block costs the "
-                    f"{costs['diagonal_over_full']:.2f}x of a full one measured here")
+        weighted = (f"; {out['predicted_weighted_naive_ratio']:.2f} once a masked diagonal block costs "
+                    f"{costs['diagonal_over_full']:.2f}x a full one, as measured here")
     if not timed:
         timing = "Measured: no CPU kernel time on a GPU (kernels run asynchronously); read the timeline instead."
     else:
