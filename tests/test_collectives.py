@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from labkit import collectives as col
+from labkit import costmodel as cm
 from labkit.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,19 +146,25 @@ def _overlap_summary(comp_ms, comm_ms, exposed_ov_ms):
 
 
 def test_overlap_verdict_follows_the_numbers():
-    hid = col.overlap_verdict(_overlap_summary(30, 10, 0.2))
+    hid = col.overlap_verdict(_overlap_summary(30, 10, 0.2), world_size=2, cores=2)
     assert hid["hides"] and hid["compute_covers_comm"] and hid["hidden_fraction"] == pytest.approx(0.98)
     assert hid["predicted_max_hidden_fraction"] == 1.0
     assert hid["conclusion"].startswith("In this run overlap hid communication") and "98% hidden" in hid["conclusion"]
-    short = col.overlap_verdict(_overlap_summary(3, 10, 9))
+    short = col.overlap_verdict(_overlap_summary(3, 10, 9), world_size=2, cores=2)
     assert not short["hides"] and not short["compute_covers_comm"]
     assert short["predicted_max_hidden_fraction"] == pytest.approx(0.3)
     assert "less compute than communication" in short["conclusion"] and "at most 30% can hide" in short["conclusion"]
-    worse = col.overlap_verdict(_overlap_summary(30, 10, 16))  # overlapped exposes more than serialised
+    worse = col.overlap_verdict(_overlap_summary(30, 10, 16), world_size=2, cores=2)  # exposes more than serialised
     assert not worse["hides"] and worse["hidden_fraction"] == pytest.approx(-0.6)
     assert "did NOT hide" in worse["conclusion"] and "-60% hidden" in worse["conclusion"]
+    little = _overlap_summary(30, 10, 9)  # 10% hidden: too little with a core per rank ...
+    assert not col.overlap_verdict(little, world_size=2, cores=2)["hides"]
+    crowded = col.overlap_verdict(little, world_size=4, cores=2)  # ... but more than nothing with 2 ranks a core
+    assert crowded["oversubscribed"] and crowded["hides"] and crowded["required_hidden_fraction"] == 0.0
+    assert "4 ranks share 2 cores" in crowded["conclusion"]
+    assert not col.overlap_verdict(little, world_size=4, backend="nccl", cores=2)["oversubscribed"]
     with pytest.raises(ValueError, match="expected serialised and overlapped"):
-        col.overlap_verdict(_overlap_summary(1, 1, 1).iloc[:1])
+        col.overlap_verdict(_overlap_summary(1, 1, 1).iloc[:1], world_size=2)
 
 
 def test_reference_dir_is_documented():
@@ -469,13 +476,13 @@ def test_nccl_sweep_on_gpus():
 # ------------------------------------------------------------------------------------------------------
 # slow: the chapter and the overhead benchmark
 # ------------------------------------------------------------------------------------------------------
-def _papermill(tmp_path, **params):
+def _papermill(tmp_path, runs=None, **params):
     out = tmp_path / "02_out.ipynb"
     cmd = [sys.executable, "-m", "papermill", str(ROOT / "notebooks" / "02_collectives.ipynb"), str(out),
            "-k", "python3", "--cwd", str(ROOT / "notebooks")]
     for k, v in params.items():
         cmd += ["-p", k, str(v)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **({"LABKIT_RUNS": str(runs)} if runs else {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -484,9 +491,17 @@ def _papermill(tmp_path, **params):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [4])  # the defaults (world_size=2) run in tests/test_notebooks.py
 def test_chapter_02_runs(tmp_path, world_size):
-    out = _papermill(tmp_path, world_size=world_size)
+    runs = tmp_path / "runs"
+    out = _papermill(tmp_path, runs=runs, world_size=world_size)
     text = out.read_text()
-    assert "not attempted" in text  # the exercise's self-check ran unattended
+    assert "not attempted yet" in text  # the exercise's self-check ran unattended
+    # the trace goes into the run's own record folder, beside its identity, not loose in runs/
+    assert sorted(p.name for p in runs.iterdir()) == ["records"]
+    (record,) = (runs / "records").iterdir()
+    assert "_collectives_" in record.name
+    assert {"identity.json", "metrics.csv", "timeline.csv", "overlap_trace.json", "fits.csv"} <= {
+        p.name for p in record.iterdir()}
+    assert json.loads((record / "identity.json").read_text())["world_size"] == world_size
 
 
 @pytest.mark.slow
@@ -498,3 +513,54 @@ def test_overhead_benchmark_prints_ratio_last():
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("busbw ratio labkit/bare:")
     assert float(last.split(":")[1].split()[0]) > 0
+
+
+# ------------------------------------------------------------------------------------------------------
+# the chapter's cells: validation first, an exercise that does not give its answer away
+# ------------------------------------------------------------------------------------------------------
+def _chapter_cells(path):
+    import nbformat
+
+    cells = nbformat.read(str(path), 4).cells
+    i = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    first = next(c.source for c in cells[i + 1:] if c.cell_type == "code")
+    exercise = next(c.source for c in cells if c.cell_type == "code" and "= None  #" in c.source
+                    and "not attempted" in c.source)
+    return cells[i].source, first, exercise
+
+
+def _check_chapter_call(source):
+    import ast
+
+    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+             and getattr(n.func, "attr", "") == "check_chapter"]
+    assert len(calls) == 1, "the first code cell validates through one check_chapter call"
+    return {k.arg for k in calls[0].keywords}
+
+
+def test_chapter_02_validates_every_parameter_before_anything_else():
+    from labkit.notebooks import declared_parameters
+
+    path = ROOT / "notebooks" / "02_collectives.ipynb"
+    params, first, _ = _chapter_cells(path)
+    assert _check_chapter_call(first) == set(declared_parameters(path))  # every parameter is validated
+    ns = {}
+    exec(params, ns)
+    ns["world_size"] = 1
+    with pytest.raises(ValueError, match=r"chapter 02 needs world_size >= 2: .*got world_size=1"):
+        exec(first, ns)  # the first code cell after the parameters: nothing launched yet
+
+
+def test_chapter_02_exercise_not_attempted_gives_a_hint_not_the_answer(capsys):
+    _, _, exercise = _chapter_cells(ROOT / "notebooks" / "02_collectives.ipynb")
+    ns = {"cm": cm}
+    exec(exercise, ns)  # unattended (CI): the reference is still computed, silently
+    out = capsys.readouterr().out
+    ref = ns["reference_bytes"]
+    assert out.startswith("not attempted yet") and "hint" in out
+    assert str(ref) not in out and f"{ref:.3f}" not in out and f"{ref:,}" not in out, out
+    exec(exercise.replace("answer_bytes = None", f"answer_bytes = {ref!r}"), ns)
+    assert capsys.readouterr().out.strip() == "correct"
+    with pytest.raises(AssertionError) as wrong:
+        exec(exercise.replace("answer_bytes = None", "answer_bytes = 3"), ns)
+    assert str(ref) not in str(wrong.value) and f"{ref:.3f}" not in str(wrong.value)

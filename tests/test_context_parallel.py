@@ -6,6 +6,8 @@ errors are ~1e-6 (different summation order of the blockwise log-sum-exp merge v
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from labkit.models import TOLERANCES
 from labkit.parallel import context as cpx
 
 TOL = TOLERANCES[torch.float32]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _qkv(seed=0, b=2, h=4, t=32, d=8):
@@ -252,3 +255,54 @@ def test_context_parallel_cp4():
     table = cpx.profile_table([r["profile"] for r in res], **SHAPE)
     ring = table[table["method"] == "ring"].groupby("cp")["saved_bytes"].first()
     assert ring[1] == 2 * ring[2] == 4 * ring[4]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the chapter's cells: validation first, an exercise that does not give its answer away
+# ------------------------------------------------------------------------------------------------------
+def _chapter_cells(path):
+    import nbformat
+
+    cells = nbformat.read(str(path), 4).cells
+    i = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    first = next(c.source for c in cells[i + 1:] if c.cell_type == "code")
+    exercise = next(c.source for c in cells if c.cell_type == "code" and "= None  #" in c.source
+                    and "not attempted" in c.source)
+    return cells[i].source, first, exercise
+
+
+def _check_chapter_call(source):
+    import ast
+
+    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+             and getattr(n.func, "attr", "") == "check_chapter"]
+    assert len(calls) == 1, "the first code cell validates through one check_chapter call"
+    return {k.arg for k in calls[0].keywords}
+
+
+def test_chapter_07_validates_every_parameter_before_anything_else():
+    from labkit.notebooks import declared_parameters
+
+    path = ROOT / "notebooks" / "07_context_parallel.ipynb"
+    params, first, _ = _chapter_cells(path)
+    assert _check_chapter_call(first) == set(declared_parameters(path))  # every parameter is validated
+    ns = {}
+    exec(params, ns)
+    ns["world_size"] = 1
+    with pytest.raises(ValueError, match=r"chapter 07 needs world_size >= 2: .*got world_size=1"):
+        exec(first, ns)  # the first code cell after the parameters: nothing launched yet
+
+
+def test_chapter_07_exercise_not_attempted_gives_a_hint_not_the_answer(capsys):
+    _, _, exercise = _chapter_cells(ROOT / "notebooks" / "07_context_parallel.ipynb")
+    ns = {"cpx": cpx}
+    exec(exercise, ns)  # unattended (CI): the reference is still computed, silently
+    out = capsys.readouterr().out
+    ref = ns["reference"]
+    assert out.startswith("not attempted yet") and "hint" in out
+    assert str(ref) not in out and f"{ref:.3f}" not in out and f"{ref:,}" not in out, out
+    exec(exercise.replace("answer = None", f"answer = {ref!r}"), ns)
+    assert capsys.readouterr().out.strip() == "correct"
+    with pytest.raises(AssertionError) as wrong:
+        exec(exercise.replace("answer = None", "answer = 3"), ns)
+    assert str(ref) not in str(wrong.value) and f"{ref:.3f}" not in str(wrong.value)
