@@ -94,7 +94,11 @@ def check_chapter(*, world_size: int, seq_len: int, n_heads: int, head_dim: int,
     for name, value in (("seq_len", seq_len), ("n_heads", n_heads), ("head_dim", head_dim), ("batch", batch),
                         ("repeats", repeats)):
         positive_int(name, value)
-    check_context_parallel(seq_len, world_size, load_balance=True, method="ulysses", n_heads=n_heads)
+    try:
+        check_context_parallel(seq_len, world_size, load_balance=True, method="ulysses", n_heads=n_heads)
+    except ValueError as e:
+        raise ValueError(f"chapter 07 runs cp = world_size={world_size}: {e}; or choose seq_len / n_heads "
+                         "that it divides") from None
     resolve_backend(backend, world_size)
 
 

@@ -91,6 +91,10 @@ def check_chapter(*, world_size: int, tokens_per_rank: int, hidden_size: int, ff
     for name, value in (("tokens_per_rank", tokens_per_rank), ("hidden_size", hidden_size),
                         ("ffn_hidden_size", ffn_hidden_size), ("repeats", repeats)):
         positive_int(name, value)
+    if positive_int("n_experts", n_experts) % world_size:
+        check_divides("ep", world_size, "n_experts", n_experts,
+                      hint=f"chapter 08 runs ep = world_size={world_size}; choose a world_size from that list "
+                           "or an n_experts it divides")
     check_expert_parallel(n_experts, ep=world_size, top_k=top_k, capacity_factor=capacity_factor)
     if isinstance(capacity_factors, (str, bytes)) or not hasattr(capacity_factors, "__iter__"):
         raise ValueError(f"capacity_factors={capacity_factors!r} must be a list of numbers > 0, e.g. [0.5, 1.0, 2.0]")
