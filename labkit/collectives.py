@@ -771,8 +771,8 @@ def ar_vs_rs_ag(nbytes: int | str = "1M", world_size: int = 2, *, dtype: str = "
 
     Returns a dict: ``table`` (DataFrame, one row per method: ``all_reduce``, ``reduce_scatter + all_gather``,
     ``reduce_scatter``, ``all_gather`` with *measured* time_s/min/max (slowest rank per repeat) and the
-    *predicted* bytes each rank sends in a ring, ``ring_bytes_per_rank`` = 2(n-1)/n S, (n-1)/n S + (n-1)/n S,
-    (n-1)/n S, (n-1)/n S — Thakur et al. 2005 sec. 4), ``equal`` (bool, all ranks), ``max_abs_diff``,
+    *predicted* bytes each rank sends in a ring, ``predicted_ring_bytes_per_rank`` = 2(n-1)/n S,
+    (n-1)/n S + (n-1)/n S, (n-1)/n S, (n-1)/n S — Thakur et al. 2005 sec. 4), ``equal`` (bool, all ranks), ``max_abs_diff``,
     ``wrong``, ``backend``. Raises ValueError for sizes reduce_scatter cannot take (:func:`check_size`)."""
     spec = {"nbytes": nbytes, "dtype": dtype, "warmup": warmup, "repeats": repeats}
     return measure(world_size, ar_vs_rs_ag=spec, backend=backend, echo=echo)["ar_vs_rs_ag"]
@@ -792,7 +792,7 @@ def _ar_finish(per_rank: list, spec: dict, world_size: int, res) -> dict:
                               ("rs_ag", "reduce_scatter + all_gather", 2 * f),
                               ("reduce_scatter", "reduce_scatter", f), ("all_gather", "all_gather", f)):
         rows.append({"method": label, "world_size": n, "bytes": nbytes,
-                     **_stats(_slowest([r[key] for r in per_rank])), "ring_bytes_per_rank": moved * nbytes})
+                     **_stats(_slowest([r[key] for r in per_rank])), "predicted_ring_bytes_per_rank": moved * nbytes})
     return {"table": pd.DataFrame(rows), "equal": all(r["equal"] for r in per_rank),
             "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
             "wrong": sum(r["wrong"] for r in per_rank), "backend": res.backend}
