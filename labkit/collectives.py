@@ -772,8 +772,9 @@ def ar_vs_rs_ag(nbytes: int | str = "1M", world_size: int = 2, *, dtype: str = "
     Returns a dict: ``table`` (DataFrame, one row per method: ``all_reduce``, ``reduce_scatter + all_gather``,
     ``reduce_scatter``, ``all_gather`` with *measured* time_s/min/max (slowest rank per repeat) and the
     *predicted* bytes each rank sends in a ring, ``predicted_ring_bytes_per_rank`` = 2(n-1)/n S,
-    (n-1)/n S + (n-1)/n S, (n-1)/n S, (n-1)/n S — Thakur et al. 2005 sec. 4), ``equal`` (bool, all ranks), ``max_abs_diff``,
-    ``wrong``, ``backend``. Raises ValueError for sizes reduce_scatter cannot take (:func:`check_size`)."""
+    (n-1)/n S + (n-1)/n S, (n-1)/n S, (n-1)/n S — Thakur et al. 2005 sec. 4), ``equal`` (bool, all ranks),
+    ``max_abs_diff``, ``wrong``, ``backend``. Raises ValueError for sizes reduce_scatter cannot take
+    (:func:`check_size`)."""
     spec = {"nbytes": nbytes, "dtype": dtype, "warmup": warmup, "repeats": repeats}
     return measure(world_size, ar_vs_rs_ag=spec, backend=backend, echo=echo)["ar_vs_rs_ag"]
 
