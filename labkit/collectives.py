@@ -164,6 +164,67 @@ def plan(ops: Sequence[str], sizes: Sequence[int], world_size: int, dtype: str =
     return cases
 
 
+def check_chapter(*, world_size: int, ops, min_size, max_size, factor: int, warmup: int, repeats: int,
+                  ar_size, repartition_size, overlap_size, n_matmuls: int = 32, matmul_size: int = 256,
+                  backend: str = "auto") -> dict:
+    """Validate chapter 02's parameters before anything is launched (the chapter's first code cell) and
+    return the sizes its experiments will use.
+
+    The sweep's range is kept as given (each size rounded down per op to one it accepts, as nccl-tests does
+    with ``-b/-e``); ``ar_size``, ``repartition_size`` and ``overlap_size`` are rounded down the same way to
+    the nearest size their ops accept on ``world_size`` ranks (reduce_scatter: a multiple of world_size
+    elements; the re-partition: of world_size² elements), and ``notes`` says which were rounded.
+
+    Returns ``{"ar_size": bytes, "repartition_size": bytes, "overlap_size": bytes, "sweep_sizes": {op:
+    [bytes, ...]}, "notes": [str, ...]}``.
+
+    Raises:
+        ValueError: world_size < 2 (a collective needs a peer), an unknown op, a bad size or range, a range
+            that gives fewer than 2 sizes for some op (the alpha-beta fit needs at least 2), factor < 2,
+            warmup < 0, repeats < 1, n_matmuls or matmul_size < 1, or a backend the machine cannot run
+            (:func:`labkit.launcher.resolve_backend`) — each naming the value and what would be valid.
+    """
+    from labkit.launcher import resolve_backend
+
+    world_size = positive_int("world_size", world_size)
+    if world_size < 2:
+        raise ValueError(f"chapter 02 needs world_size >= 2: a collective moves data between ranks, and with one "
+                         f"rank nothing crosses a link; got world_size={world_size}")
+    op_list = parse_ops(ops)
+    sizes = size_range(min_size, max_size, factor)
+    positive_int("warmup", warmup, minimum=0)
+    positive_int("repeats", repeats)
+    positive_int("n_matmuls", n_matmuls)
+    positive_int("matmul_size", matmul_size)
+    sweep_sizes = {}
+    for op, nbytes, _ in plan(op_list, sizes, world_size, align=True):
+        sweep_sizes.setdefault(op, []).append(nbytes)
+    for op, got in sweep_sizes.items():
+        if len(got) < 2:
+            raise ValueError(f"min_size={min_size!r}, max_size={max_size!r}, factor={factor} give {op} only "
+                             f"{len(got)} size ({got[0]} bytes on {world_size} ranks); the alpha-beta fit needs at "
+                             f"least 2: raise max_size to at least {format_size(got[0] * factor)}")
+    notes, out = [], {}
+    for name, value, op, unit_elems in (("ar_size", ar_size, "reduce_scatter", world_size),
+                                        ("repartition_size", repartition_size, "all_to_all",
+                                         world_size * world_size),
+                                        ("overlap_size", overlap_size, "all_reduce", 1)):
+        nbytes = parse_size(value, name)
+        unit = unit_elems * DTYPES["float32"]
+        if nbytes < unit:
+            raise ValueError(f"{name}={value!r} is smaller than one {op} unit on {world_size} ranks ({unit} "
+                             f"bytes of float32); use at least {unit}")
+        out[name] = nbytes // unit * unit
+        if out[name] != nbytes:
+            notes.append(f"{name}={value!r} ({nbytes} bytes) rounded down to {out[name]} bytes: {op} on "
+                         f"{world_size} ranks needs a multiple of {unit} bytes")
+    check_size("reduce_scatter", out["ar_size"], world_size)
+    check_size("reduce_scatter", out["repartition_size"], world_size)
+    check_size("all_to_all", out["repartition_size"] // world_size, world_size)
+    resolve_backend(backend, world_size)
+    return {**out, "sweep_sizes": sweep_sizes, "notes": notes}
+
+
 # ------------------------------------------------------------------------------------------------------
 # inside a rank: buffers, the ops, their expected values
 # ------------------------------------------------------------------------------------------------------
@@ -498,12 +559,17 @@ def _sweep_all_rank(ctx, cases, dtype, warmup, repeats, iters, timings, verify):
     return [sweep_rank(ctx, cases, dtype, warmup, repeats, iters, timing=t, verify=verify) for t in timings]
 
 
+FIT_COLUMNS = ["op", "world_size", "alpha_s", "beta_s_per_byte", "fit_algbw_gbps", "fit_busbw_gbps", "n_points",
+               "rms_rel_residual"]
+
+
 def fit_table(df: pd.DataFrame) -> pd.DataFrame:
     """alpha-beta fit (:func:`labkit.costmodel.fit_alpha_beta`) per (op, world_size) of a sweep table,
     using only unflagged rows with ``wrong == 0``.
 
     Columns: op, world_size, alpha_s, beta_s_per_byte, fit_algbw_gbps (1/beta), fit_busbw_gbps,
-    n_points, rms_rel_residual. Ops with fewer than 2 usable sizes are left out."""
+    n_points, rms_rel_residual (:data:`FIT_COLUMNS`, also when no op could be fitted). Ops with fewer than 2
+    usable sizes are left out."""
     rows = []
     good = df[(df.get("flag", "") == "") & (df["wrong"] == 0)]
     if "timing" in good.columns:
@@ -516,7 +582,7 @@ def fit_table(df: pd.DataFrame) -> pd.DataFrame:
                      "beta_s_per_byte": fit.beta_s_per_byte, "fit_algbw_gbps": fit.bandwidth_gbps,
                      "fit_busbw_gbps": fit.bandwidth_gbps * bus_factor(op, n), "n_points": fit.n_points,
                      "rms_rel_residual": fit.rms_rel_residual})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=FIT_COLUMNS)
 
 
 def with_fit(df: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
@@ -569,6 +635,8 @@ NO_REFERENCE = ("No recorded GPU run in data/reference/collectives/: no GPU numb
 
 
 def reference_dir() -> Path:
+    """The folder of recorded GPU sweeps, ``data/reference/collectives/`` (may not exist yet): where
+    ``benchmarks/record_gpu_collectives.py`` writes and :func:`load_reference` reads."""
     return data_dir() / "reference" / "collectives"
 
 
@@ -703,9 +771,10 @@ def ar_vs_rs_ag(nbytes: int | str = "1M", world_size: int = 2, *, dtype: str = "
 
     Returns a dict: ``table`` (DataFrame, one row per method: ``all_reduce``, ``reduce_scatter + all_gather``,
     ``reduce_scatter``, ``all_gather`` with *measured* time_s/min/max (slowest rank per repeat) and the
-    *predicted* bytes each rank sends in a ring, ``ring_bytes_per_rank`` = 2(n-1)/n S, (n-1)/n S + (n-1)/n S,
-    (n-1)/n S, (n-1)/n S — Thakur et al. 2005 sec. 4), ``equal`` (bool, all ranks), ``max_abs_diff``,
-    ``wrong``, ``backend``. Raises ValueError for sizes reduce_scatter cannot take (:func:`check_size`)."""
+    *predicted* bytes each rank sends in a ring, ``predicted_ring_bytes_per_rank`` = 2(n-1)/n S,
+    (n-1)/n S + (n-1)/n S, (n-1)/n S, (n-1)/n S — Thakur et al. 2005 sec. 4), ``equal`` (bool, all ranks),
+    ``max_abs_diff``, ``wrong``, ``backend``. Raises ValueError for sizes reduce_scatter cannot take
+    (:func:`check_size`)."""
     spec = {"nbytes": nbytes, "dtype": dtype, "warmup": warmup, "repeats": repeats}
     return measure(world_size, ar_vs_rs_ag=spec, backend=backend, echo=echo)["ar_vs_rs_ag"]
 
@@ -724,7 +793,7 @@ def _ar_finish(per_rank: list, spec: dict, world_size: int, res) -> dict:
                               ("rs_ag", "reduce_scatter + all_gather", 2 * f),
                               ("reduce_scatter", "reduce_scatter", f), ("all_gather", "all_gather", f)):
         rows.append({"method": label, "world_size": n, "bytes": nbytes,
-                     **_stats(_slowest([r[key] for r in per_rank])), "ring_bytes_per_rank": moved * nbytes})
+                     **_stats(_slowest([r[key] for r in per_rank])), "predicted_ring_bytes_per_rank": moved * nbytes})
     return {"table": pd.DataFrame(rows), "equal": all(r["equal"] for r in per_rank),
             "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
             "wrong": sum(r["wrong"] for r in per_rank), "backend": res.backend}
@@ -825,6 +894,70 @@ def overlap_summary(timeline: pd.DataFrame, serial_steps: Sequence[int],
     comm_alone = df.loc[df["mode"] == "serialised", "comm_s"].iloc[0]
     df["hidden_fraction"] = 1.0 - df["exposed_comm_s"] / comm_alone if comm_alone > 0 else float("nan")
     return df
+
+
+#: hidden_fraction an overlapped run must reach when its compute outlasts its communication and every rank
+#: has a core of its own (chapter 02's check). Observed on a shared 2-core machine with 2 ranks: >= 0.9.
+MIN_HIDDEN_FRACTION = 0.2
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def overlap_verdict(summary: pd.DataFrame, *, world_size: int, backend: str = "gloo",
+                    cores: int | None = None) -> dict:
+    """What an :func:`overlap_summary` shows, as numbers and one sentence written from them.
+
+    * ``hidden_fraction`` — measured: 1 − exposed comm (overlapped) / comm (serialised);
+    * ``predicted_max_hidden_fraction`` — predicted upper bound ``min(1, compute_s / comm_s)`` from the
+      serialised steps: an overlapped step can hide at most as much communication as it has compute to hide it
+      behind (the ``max(compute, comm)`` model of an overlapped step, as in overlapping DDP's gradient
+      all-reduce with backward: Li et al. 2020, "PyTorch Distributed", sec. 3.2.3);
+    * ``compute_covers_comm`` — the serialised compute lasted at least as long as the communication, so
+      overlap could hide all of it;
+    * ``oversubscribed`` — gloo with more ranks than ``cores`` (default :func:`cpu_cores`): a rank's
+      communication thread then waits for a core while the matmuls run, so less can hide;
+    * ``required_hidden_fraction`` — what the chapter's check asks for when ``compute_covers_comm``:
+      :data:`MIN_HIDDEN_FRACTION`, or just more than 0 (overlapped exposes less than serialised) when
+      oversubscribed; ``hides`` — the run met it;
+    * ``conclusion`` — the sentence.
+
+    Raises ValueError when the summary lacks the ``serialised`` or ``overlapped`` row, or world_size < 1."""
+    world_size = positive_int("world_size", world_size)
+    s = summary.set_index("mode")
+    if not {"serialised", "overlapped"} <= set(s.index):
+        raise ValueError(f"summary has modes {sorted(s.index)}; expected serialised and overlapped "
+                         "(from overlap_summary)")
+    cores = cpu_cores() if cores is None else positive_int("cores", cores)
+    comp, comm = float(s.loc["serialised", "compute_s"]), float(s.loc["serialised", "comm_s"])
+    hidden = float(s.loc["overlapped", "hidden_fraction"])
+    bound = min(1.0, comp / comm) if comm > 0 else float("nan")
+    over = backend == "gloo" and world_size > cores
+    required = 0.0 if over else MIN_HIDDEN_FRACTION
+    out = {"hidden_fraction": hidden, "predicted_max_hidden_fraction": bound,
+           "compute_covers_comm": comp >= comm, "oversubscribed": over, "required_hidden_fraction": required,
+           "hides": hidden > required if over else hidden >= required,
+           "serialised_exposed_ms": float(s.loc["serialised", "exposed_comm_s"]) * 1e3,
+           "overlapped_exposed_ms": float(s.loc["overlapped", "exposed_comm_s"]) * 1e3}
+    numbers = (f"compute {comp * 1e3:.1f} ms beside an all-reduce of {comm * 1e3:.1f} ms (serialised, measured); "
+               f"exposed communication {out['serialised_exposed_ms']:.1f} ms serialised vs "
+               f"{out['overlapped_exposed_ms']:.1f} ms overlapped: {hidden:.0%} hidden (measured; at most "
+               f"{bound:.0%} can hide, predicted)")
+    if out["hides"]:
+        verdict = "In this run overlap hid communication: "
+    elif not out["compute_covers_comm"]:
+        verdict = ("In this run overlap could not hide much, as there was less compute than communication to hide "
+                   "it behind: ")
+    else:
+        verdict = ("In this run overlap did NOT hide the communication, although the compute was long enough: "
+                   "the all-reduce's worker thread competed with the matmul for the cores: ")
+    crowd = (f" {world_size} ranks share {cores} cores, so each rank's communication thread waits for a core "
+             "while the matmuls run, and less can hide than on a machine with a core per rank."
+             if over else "")
+    out["conclusion"] = verdict + numbers + "." + crowd
+    return out
 
 
 def overlap(world_size: int = 2, nbytes: int | str = "4M", *, matmul_size: int = 256, n_matmuls: int = 8,

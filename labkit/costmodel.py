@@ -99,7 +99,13 @@ def algbw_gbps(nbytes: int, time_s: float) -> float:
 
 
 def busbw_gbps(op: str, world_size: int, nbytes: int, time_s: float) -> float:
-    """Bus bandwidth ``algbw * bus_factor(op, n)`` in GB/s, comparable with a link's peak whatever ``n``."""
+    """Bus bandwidth ``algbw * bus_factor(op, n)`` in GB/s, comparable with a link's peak whatever ``n``
+    (nccl-tests doc/PERFORMANCE.md, "Summary").
+
+    Raises:
+        ValueError: unknown op (the message lists :data:`OPS`), world_size < 1, nbytes < 1, or time_s not a
+            finite number > 0.
+    """
     return algbw_gbps(nbytes, time_s) * bus_factor(op, world_size)
 
 
@@ -130,36 +136,57 @@ class AlphaBeta:
         return self.alpha_s + self.beta_s_per_byte * float(nbytes)
 
 
+def _fit_size(value) -> float:
+    """One message size of a fit, in bytes: a finite number >= 1 (ValueError naming it otherwise)."""
+    if isinstance(value, bool):
+        raise ValueError(f"nbytes={value!r} must be a finite number >= 1 (bytes)")
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"nbytes={value!r} must be a finite number >= 1 (bytes)") from None
+    if not math.isfinite(x) or x < 1:
+        raise ValueError(f"nbytes={value!r} must be a finite number >= 1 (bytes)")
+    return x
+
+
 def fit_alpha_beta(nbytes: Sequence[float], times_s: Sequence[float], *, relative: bool = True) -> AlphaBeta:
-    """Least-squares fit of ``t = alpha + beta * S`` to measured (size, time) points.
+    """Least-squares fit of ``t = alpha + beta * S`` to measured (size, time) points (Hockney 1994).
 
     ``relative=True`` (default) minimises the relative residuals ``sum(((alpha + beta S) - t) / t)^2``
     (weighted least squares with weights ``1/t^2``), so the microsecond times of small messages count as much
     as the millisecond times of large ones, as they do on the log-log plot; ``relative=False`` is ordinary
-    least squares. Closed-form 2x2 normal equations (no numpy).
+    least squares. Closed-form 2x2 normal equations (no numpy), solved on sizes and times scaled to at most 1
+    so that no sum overflows.
 
     Args:
-        nbytes: sizes S in bytes (>= 2 distinct values).
-        times_s: measured times in seconds (> 0), same length.
+        nbytes: sizes S in bytes (finite, >= 1; at least 2 distinct values).
+        times_s: measured times in seconds (finite, > 0), same length.
 
     Raises:
-        ValueError: different lengths, fewer than 2 distinct sizes, a size < 1 or a time <= 0.
+        ValueError: different lengths, fewer than 2 distinct sizes, a size that is not a finite number >= 1
+            (inf, nan, 0, negative, not a number), or a time that is not a finite number > 0.
     """
-    xs = [float(positive_int("nbytes", int(s))) for s in nbytes]
+    xs = [_fit_size(s) for s in nbytes]
     ts = [positive_float("time_s", t) for t in times_s]
     if len(xs) != len(ts):
         raise ValueError(f"nbytes has {len(xs)} values but times_s has {len(ts)}; give one time per size")
     if len(set(xs)) < 2:
         raise ValueError(f"fit_alpha_beta needs at least 2 distinct sizes, got {sorted(set(xs))}")
-    ws = [1.0 / (t * t) if relative else 1.0 for t in ts]
+    x_scale, t_scale = max(xs), max(ts)
+    us = [x / x_scale for x in xs]
+    vs = [t / t_scale for t in ts]
+    ws = [1.0 / (v * v) if relative else 1.0 for v in vs]
     sw = sum(ws)
-    sx = sum(w * x for w, x in zip(ws, xs, strict=True))
-    sxx = sum(w * x * x for w, x in zip(ws, xs, strict=True))
-    st = sum(w * t for w, t in zip(ws, ts, strict=True))
-    sxt = sum(w * x * t for w, x, t in zip(ws, xs, ts, strict=True))
-    det = sw * sxx - sx * sx
-    alpha = (sxx * st - sx * sxt) / det
-    beta = (sw * sxt - sx * st) / det
+    su = sum(w * u for w, u in zip(ws, us, strict=True))
+    suu = sum(w * u * u for w, u in zip(ws, us, strict=True))
+    sv = sum(w * v for w, v in zip(ws, vs, strict=True))
+    suv = sum(w * u * v for w, u, v in zip(ws, us, vs, strict=True))
+    det = sw * suu - su * su
+    if not (math.isfinite(det) and det > 0):
+        raise ValueError(f"nbytes={list(nbytes)!r}, times_s={list(times_s)!r}: the sizes are too close "
+                         "together (or too far apart) to fit a line; give sizes that differ by at least 2x")
+    alpha = (suu * sv - su * suv) / det * t_scale
+    beta = (sw * suv - su * sv) / det * t_scale / x_scale
     rel = [((alpha + beta * x) - t) / t for x, t in zip(xs, ts, strict=True)]
     rms = math.sqrt(sum(r * r for r in rel) / len(rel))
     return AlphaBeta(alpha, beta, len(xs), rms)
@@ -239,7 +266,9 @@ def get_device(name: str, path: str | Path | None = None) -> dict:
 
 
 def base_latency_s(algorithm: str = "ring", path: str | Path | None = None) -> float:
-    """Fixed latency of one collective call (NCCL tuning model ``baseLat``, LL protocol), seconds."""
+    """Fixed latency of one collective call (NCCL tuning model ``baseLat``, LL protocol), seconds.
+
+    Raises ValueError for an algorithm not in :data:`ALGORITHMS`."""
     check_choice("algorithm", algorithm, ALGORITHMS)
     return float(hardware(path).get("nccl_model", {}).get(f"base_latency_{algorithm}_us", 0.0)) * 1e-6
 
@@ -324,7 +353,10 @@ def ring_vs_tree(nbytes_list: Sequence[int], world_sizes: Sequence[int] = (8, 64
     """Predicted all-reduce time, ring vs tree, for each size and world size (rows of a table).
 
     Each row: ``world_size, nodes, bytes, ring_s, tree_s, faster`` (``'ring'`` or ``'tree'``), all
-    *predicted* by :func:`collective_time`."""
+    *predicted* by :func:`collective_time`, and ``source`` = ``"predicted"`` so a table of them says so.
+
+    Raises ValueError as :func:`collective_time` does (unknown link, sizes < 1, a world that is not a whole
+    number of nodes)."""
     rows = []
     for n in world_sizes:
         for s in nbytes_list:
@@ -332,7 +364,8 @@ def ring_vs_tree(nbytes_list: Sequence[int], world_sizes: Sequence[int] = (8, 64
             tree = collective_time("all_reduce", s, n, intra, inter, gpus_per_node=gpus_per_node,
                                    algorithm="tree")
             rows.append({"world_size": n, "nodes": _nodes(n, gpus_per_node)[0], "bytes": int(s),
-                         "ring_s": ring, "tree_s": tree, "faster": "ring" if ring <= tree else "tree"})
+                         "ring_s": ring, "tree_s": tree, "faster": "ring" if ring <= tree else "tree",
+                         "source": "predicted"})
     return rows
 
 
@@ -345,7 +378,8 @@ def tp_forward_comm(n_layers: int, hidden_size: int, seq_len: int, micro_batch_s
     (Shoeybi et al. 2019, Megatron-LM, sec. 3, Fig. 4: the ``g`` operator after attention and after the MLP).
 
     Returns a dict: ``allreduce_bytes`` (S of one all-reduce), ``n_allreduce`` (2 * n_layers),
-    ``allreduce_s`` (one, predicted), ``forward_comm_s`` (all of them, predicted), ``link``.
+    ``allreduce_s`` (one, predicted), ``forward_comm_s`` (all of them, predicted), ``link``, and ``source`` =
+    ``"predicted"`` (every number is the model's, none measured).
 
     Raises ValueError for non-positive sizes, tp < 2, or an unknown link.
     """
@@ -357,4 +391,4 @@ def tp_forward_comm(n_layers: int, hidden_size: int, seq_len: int, micro_batch_s
     s = micro_batch_size * seq_len * hidden_size * bytes_per_element
     one = collective_time("all_reduce", s, tp, lk, lk, gpus_per_node=tp, include_base=include_base)
     return {"link": lk.name, "allreduce_bytes": s, "n_allreduce": 2 * n_layers, "allreduce_s": one,
-            "forward_comm_s": 2 * n_layers * one}
+            "forward_comm_s": 2 * n_layers * one, "source": "predicted"}

@@ -6,6 +6,8 @@ errors are ~1e-6 (different summation order of the blockwise log-sum-exp merge v
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from labkit.models import TOLERANCES
 from labkit.parallel import context as cpx
 
 TOL = TOLERANCES[torch.float32]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _qkv(seed=0, b=2, h=4, t=32, d=8):
@@ -48,6 +51,50 @@ def test_validation_messages():
     with pytest.raises(ValueError, match=r"method='flash' is not valid; choose one of: ring, allgather, ulysses"):
         cpx.check_context_parallel(16, 2, method="flash")
     cpx.check_context_parallel(16, 4, load_balance=True, method="ulysses", n_heads=8)  # valid: no error
+
+
+CHAPTER = dict(world_size=2, seq_len=1024, n_heads=4, head_dim=32, batch=1, repeats=5)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"world_size": 1}, r"chapter 07 needs world_size >= 2: context parallelism splits the sequence over ranks.*"
+                        r"got world_size=1"),
+    ({"world_size": 3}, r"2·cp=6 does not divide seq_len=1024"),
+    ({"world_size": 8}, r"cp=8 does not divide n_heads=4"),
+    ({"seq_len": 1004, "world_size": 4}, r"2·cp=8 does not divide seq_len=1004"),
+    ({"repeats": 0}, r"repeats=0 must be an integer >= 1"),
+    ({"head_dim": 0}, r"head_dim=0 must be an integer >= 1"),
+    ({"backend": "mpi"}, r"backend='mpi' is not valid"),
+])
+def test_check_chapter_rejects_before_launch(change, match):
+    cpx.check_chapter(**CHAPTER)  # the chapter's defaults are valid
+    with pytest.raises(ValueError, match=match):
+        cpx.check_chapter(**{**CHAPTER, **change})
+
+
+def test_model_cases_skip_what_the_model_cannot_run():
+    cases, skipped = cpx.model_cases(2)
+    assert [c["method"] for c in cases] == ["ring", "ulysses"] and skipped == []
+    cases, skipped = cpx.model_cases(8)  # lab-tiny-llama has 4 heads: Ulysses cannot split them 8 ways
+    assert [c["method"] for c in cases] == ["ring"] and "n_heads=4" in skipped[0]
+    cases, skipped = cpx.model_cases(32)  # 8 * 32 tokens do not fit max_seq_len=128
+    assert cases == [] and "max_seq_len=128" in skipped[0]
+
+
+@pytest.mark.parametrize("method, cp, shape, match", [
+    ("ring", 3, {"seq_len": 64}, r"cp=3 does not divide seq_len=64; valid cp: 1, 2, 4"),
+    ("ulysses", 3, {"seq_len": 96, "n_heads": 4}, r"cp=3 does not divide n_heads=4; valid cp: 1, 2, 4"),
+    ("allgather", 0, {}, r"cp=0 must be an integer >= 1"),
+    ("ring", 2, {"batch": 0}, r"batch=0 must be an integer >= 1"),
+    ("ring", 2, {"element_size": -2}, r"element_size=-2 must be an integer >= 1"),
+    ("flash", 2, {}, r"method='flash' is not valid"),
+])
+def test_byte_predictions_validate_their_input(method, cp, shape, match):
+    kw = {"batch": 1, "n_heads": 4, "seq_len": 64, "head_dim": 8, **shape}
+    for fn in (cpx.predicted_comm_bytes, cpx.predicted_saved_bytes):
+        assert "Raises" in fn.__doc__
+        with pytest.raises(ValueError, match=match):
+            fn(method, cp, **kw)
 
 
 def test_only_the_diagonal_is_masked():
@@ -92,6 +139,48 @@ def test_predicted_blocks():
     assert cpx.predicted_blocks(4, method="ulysses") == [2.5] * 4  # the ring's mean, on every rank
 
 
+def test_predicted_pair_blocks_split_full_and_diagonal():
+    assert cpx.predicted_pair_blocks(4) == [(0.0, 1.0), (1.0, 1.0), (2.0, 1.0), (3.0, 1.0)]
+    # zigzag cp=2: rank 0 holds chunks 0 and 3 (2 diagonal quarter-blocks, 3 full), rank 1 chunks 1 and 2
+    assert cpx.predicted_pair_blocks(2, load_balance=True) == [(0.75, 0.5), (0.75, 0.5)]
+    assert cpx.predicted_pair_blocks(2, causal=False) == [(2.0, 0.0), (2.0, 0.0)]
+
+
+def test_block_costs_are_measured_and_positive():
+    c = cpx.block_costs(batch=1, n_heads=2, block_len=64, head_dim=8, repeats=2)
+    assert c["full_ms"] > 0 and c["diagonal_ms"] > 0
+    assert c["diagonal_over_full"] == pytest.approx(c["diagonal_ms"] / c["full_ms"])
+
+
+def _imbalance_table(cpu_naive, cpu_zz, blocks_naive=(1.0, 2.0), blocks_zz=(1.25, 1.25)):
+    import pandas as pd
+
+    rows = []
+    for lb, cpu, blocks in ((False, cpu_naive, blocks_naive), (True, cpu_zz, blocks_zz)):
+        for r, (c, b) in enumerate(zip(cpu, blocks)):
+            rows.append({"method": "ring", "load_balance": lb, "cp": len(cpu), "rank": r, "blocks": b,
+                         "kernel_cpu_ms": c})
+    return pd.DataFrame(rows)
+
+
+def test_imbalance_conclusion_follows_the_measured_numbers():
+    costs = {"full_ms": 10.0, "diagonal_ms": 15.0, "diagonal_over_full": 1.5}
+    shown = cpx.imbalance(_imbalance_table([30.0, 50.0], [40.0, 41.0]), costs)
+    assert shown["counted_naive_ratio"] == 2.0 and shown["counted_zigzag_ratio"] == 1.0
+    assert shown["measured_naive_ratio"] == pytest.approx(50 / 30) and shown["shows_imbalance"]
+    assert shown["predicted_weighted_naive_ratio"] == pytest.approx((1 + 1.5) / 1.5)
+    assert "shows the imbalance in this run: last/first 1.67 naive" in shown["conclusion"]
+    blurred = cpx.imbalance(_imbalance_table([30.0, 29.0], [40.0, 41.0]))  # the tester's 0.97
+    assert not blurred["shows_imbalance"] and "does NOT show the imbalance in this run" in blurred["conclusion"]
+    assert "last/first 0.97 naive" in blurred["conclusion"]
+    assert "computed 2.00x the first rank's attention blocks (predicted 2)" in blurred["conclusion"]
+    # a kernel that computed every block (no causal skipping) shows up in the counts, whatever the timing
+    flat = cpx.imbalance(_imbalance_table([30.0, 60.0], [40.0, 41.0], blocks_naive=(2.0, 2.0)))
+    assert flat["counted_naive_ratio"] == 1.0
+    with pytest.raises(ValueError, match="needs naive and zigzag rows"):
+        cpx.imbalance(_imbalance_table([30.0, 50.0], [40.0, 41.0]).query("load_balance"))
+
+
 def test_core_rejects_attention_dropout():
     core = cpx.ContextParallelAttention("ring")
     q, k, v = _qkv()
@@ -132,6 +221,9 @@ def _check_profile(res, world_size):
     assert (table["sent_bytes"] == table["predicted_sent_bytes"]).all(), table
     # work: the kernel computed exactly the predicted blocks on every rank (naive: r+1, zigzag: (2cp+1)/4)
     assert (table["blocks"] == table["predicted_blocks"]).all(), table
+    assert (table["kernel_cpu_ms"] > 0).all() and (table["kernel_cpu_ms"] <= table["cpu_ms"]).all(), table
+    imb = cpx.imbalance(table)  # the counted imbalance the chapter asserts
+    assert imb["counted_naive_ratio"] == world_size and imb["counted_zigzag_ratio"] == 1.0
     # ring and Ulysses keep 1/cp of the cp=1 activations
     by = table.groupby(["method", "cp"])["saved_bytes"].first()
     for m in ("ring", "ulysses"):
@@ -155,6 +247,7 @@ def test_context_parallel_cp2():
 def test_context_parallel_cp4():
     model_cases = [{"method": "ring", "load_balance": True}, {"method": "ulysses", "load_balance": False}]
     configs = [{"method": m, "load_balance": True, "cp": c} for m in cpx.METHODS for c in (1, 2, 4)]
+    configs += [{"method": "ring", "load_balance": False}]  # the naive ring: its r+1 blocks counted at cp=4
     res = launch(_cp_everything, 4, model_cases, configs, timeout_s=180, echo=False)
     _check_parity(res, 4, len(model_cases))
     _check_profile(res, 4)
@@ -162,3 +255,54 @@ def test_context_parallel_cp4():
     table = cpx.profile_table([r["profile"] for r in res], **SHAPE)
     ring = table[table["method"] == "ring"].groupby("cp")["saved_bytes"].first()
     assert ring[1] == 2 * ring[2] == 4 * ring[4]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the chapter's cells: validation first, an exercise that does not give its answer away
+# ------------------------------------------------------------------------------------------------------
+def _chapter_cells(path):
+    import nbformat
+
+    cells = nbformat.read(str(path), 4).cells
+    i = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    first = next(c.source for c in cells[i + 1:] if c.cell_type == "code")
+    exercise = next(c.source for c in cells if c.cell_type == "code" and "= None  #" in c.source
+                    and "not attempted" in c.source)
+    return cells[i].source, first, exercise
+
+
+def _check_chapter_call(source):
+    import ast
+
+    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+             and getattr(n.func, "attr", "") == "check_chapter"]
+    assert len(calls) == 1, "the first code cell validates through one check_chapter call"
+    return {k.arg for k in calls[0].keywords}
+
+
+def test_chapter_07_validates_every_parameter_before_anything_else():
+    from labkit.notebooks import declared_parameters
+
+    path = ROOT / "notebooks" / "07_context_parallel.ipynb"
+    params, first, _ = _chapter_cells(path)
+    assert _check_chapter_call(first) == set(declared_parameters(path))  # every parameter is validated
+    ns = {}
+    exec(params, ns)
+    ns["world_size"] = 1
+    with pytest.raises(ValueError, match=r"chapter 07 needs world_size >= 2: .*got world_size=1"):
+        exec(first, ns)  # the first code cell after the parameters: nothing launched yet
+
+
+def test_chapter_07_exercise_not_attempted_gives_a_hint_not_the_answer(capsys):
+    _, _, exercise = _chapter_cells(ROOT / "notebooks" / "07_context_parallel.ipynb")
+    ns = {"cpx": cpx}
+    exec(exercise, ns)  # unattended (CI): the reference is still computed, silently
+    out = capsys.readouterr().out
+    ref = ns["reference"]
+    assert out.startswith("not attempted yet") and "hint" in out
+    assert str(ref) not in out and f"{ref:.3f}" not in out and f"{ref:,}" not in out, out
+    exec(exercise.replace("answer = None", f"answer = {ref!r}"), ns)
+    assert capsys.readouterr().out.strip() == "correct"
+    with pytest.raises(AssertionError) as wrong:
+        exec(exercise.replace("answer = None", "answer = 3"), ns)
+    assert str(ref) not in str(wrong.value) and f"{ref:.3f}" not in str(wrong.value)

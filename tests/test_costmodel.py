@@ -101,11 +101,38 @@ def test_relative_fit_keeps_latency_that_ols_loses():
     ([1, 2, 3], [1.0, 2.0], "nbytes has 3 values but times_s has 2"),
     ([8, 8, 8], [1.0, 1.0, 1.0], "at least 2 distinct sizes"),
     ([8, 16], [1.0, 0.0], r"time_s=0.0 must be a finite number > 0"),
-    ([0, 16], [1.0, 2.0], r"nbytes=0 must be an integer >= 1"),
+    ([0, 16], [1.0, 2.0], r"nbytes=0 must be a finite number >= 1"),
+    ([float("inf"), 16], [1.0, 2.0], r"nbytes=inf must be a finite number >= 1"),
+    ([float("nan"), 16], [1.0, 2.0], r"nbytes=nan must be a finite number >= 1"),
+    ([-8, 16], [1.0, 2.0], r"nbytes=-8 must be a finite number >= 1"),
+    (["8K", 16], [1.0, 2.0], r"nbytes='8K' must be a finite number >= 1"),
+    ([8, 16], [1.0, float("inf")], r"time_s=inf must be a finite number > 0"),
+    ([8, 16], [float("nan"), 1.0], r"time_s=nan must be a finite number > 0"),
 ])
 def test_fit_bad_input(sizes, times, match):
     with pytest.raises(ValueError, match=match):
         cm.fit_alpha_beta(sizes, times)
+
+
+def test_fit_survives_sizes_and_times_far_from_one():
+    # sizes near the float range's end and times of attoseconds: scaled before summing, so no overflow
+    for scale_x, scale_t in ((1e150, 1.0), (1.0, 1e-150), (1e200, 1e-100)):
+        sizes = [s * scale_x for s in (1, 2, 4, 8)]
+        times = [(1e-3 + 1e-6 * s) * scale_t for s in (1, 2, 4, 8)]
+        fit = cm.fit_alpha_beta(sizes, times)
+        assert fit.alpha_s == pytest.approx(1e-3 * scale_t, rel=1e-6)
+        assert fit.beta_s_per_byte == pytest.approx(1e-6 * scale_t / scale_x, rel=1e-6)
+
+
+def test_busbw_raises_what_its_docstring_says():
+    doc = cm.busbw_gbps.__doc__
+    assert "Raises" in doc and "ValueError" in doc
+    for call, match in ((lambda: cm.busbw_gbps("allreduce", 2, 8, 1.0), "op='allreduce' is not valid"),
+                        (lambda: cm.busbw_gbps("all_reduce", 0, 8, 1.0), "world_size=0"),
+                        (lambda: cm.busbw_gbps("all_reduce", 2, 0, 1.0), "nbytes=0"),
+                        (lambda: cm.busbw_gbps("all_reduce", 2, 8, float("nan")), "time_s=nan")):
+        with pytest.raises(ValueError, match=match):
+            call()
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -167,6 +194,7 @@ def test_ring_latency_grows_linearly_tree_logarithmically():
     rows = cm.ring_vs_tree([small, 1 << 30], (8, 64, 1024))
     best = {(r["world_size"], r["bytes"]): r["faster"] for r in rows}
     assert best[(1024, small)] == "tree" and best[(64, small)] == "tree" and best[(8, 1 << 30)] == "ring"
+    assert {r["source"] for r in rows} == {"predicted"}  # a table of them says where its numbers come from
 
 
 def test_tp_forward_across_nodes_vs_nvlink():
@@ -177,6 +205,7 @@ def test_tp_forward_across_nodes_vs_nvlink():
     assert nv4["n_allreduce"] == 120
     assert nv4["allreduce_bytes"] == 4096 * 6656 * 2
     assert nv4["forward_comm_s"] == pytest.approx(120 * nv4["allreduce_s"])
+    assert nv4["source"] == ib["source"] == "predicted"
     # bandwidth-bound: the ratio approaches the per-direction bandwidth ratio (450/50 = 9, 900/50 = 18)
     assert 8 < ib["forward_comm_s"] / nv4["forward_comm_s"] < 9
     assert 15 < ib["forward_comm_s"] / nv5["forward_comm_s"] < 18

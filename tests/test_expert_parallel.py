@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from labkit.parallel import expert as ex
 from labkit.spec import get_spec
 
 TOL = TOLERANCES[torch.float32]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -33,6 +35,67 @@ def test_validation_messages():
         ex.check_expert_parallel(8, drop_policy="random")
     with pytest.raises(ValueError, match=r"top_k=3 must be <= n_experts=2"):
         ex.MoE(8, 16, 2, 3)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((100, 0, 2, 1.0), r"n_experts=0 must be an integer >= 1"),
+    ((100, 8, 9, 1.0), r"top_k=9 must be <= n_experts=8"),
+    ((100, 8, 0, 1.0), r"top_k=0 must be an integer >= 1"),
+    ((-1, 8, 2, 1.0), r"n_tokens=-1 must be an integer >= 0"),
+    ((100, 8, 2, 0.0), r"capacity_factor=0.0 must be a finite number > 0"),
+    ((100, 8, 2, float("inf")), r"capacity_factor=inf must be a finite number > 0"),
+    ((100, 8, 9, None), r"top_k=9 must be <= n_experts=8"),  # checked even without a capacity limit
+])
+def test_expert_capacity_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        ex.expert_capacity(*args)
+    with pytest.raises(ValueError, match=match):
+        ex.predicted_dropped_fraction(*args)
+
+
+CHAPTER = dict(world_size=2, tokens_per_rank=256, hidden_size=64, ffn_hidden_size=128, n_experts=8, top_k=2,
+               capacity_factor=1.25, capacity_factors=[0.5, 1.0, 2.0], repeats=3, spec="lab-tiny-moe")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"world_size": 1}, r"chapter 08 needs world_size >= 2: expert parallelism .*got world_size=1"),
+    ({"world_size": 3}, r"ep=3 does not divide n_experts=8; valid ep: 1, 2, 4, 8"),
+    ({"top_k": 9}, r"top_k=9 must be <= n_experts=8"),
+    ({"capacity_factor": 0}, r"capacity_factor=0 must be a finite number > 0"),
+    ({"capacity_factors": []}, r"capacity_factors=\[\] is empty"),
+    ({"capacity_factors": [1.0, 0.5]}, r"capacity_factors=\[1.0, 0.5\] must be strictly increasing"),
+    ({"capacity_factors": [0.5, -1]}, r"capacity_factors\[\]=-1 must be a finite number > 0"),
+    ({"capacity_factors": "0.5"}, r"capacity_factors='0.5' must be a list"),
+    ({"tokens_per_rank": 0}, r"tokens_per_rank=0 must be an integer >= 1"),
+    ({"repeats": 0}, r"repeats=0 must be an integer >= 1"),
+    ({"spec": "lab-tiny-llama"}, r"spec='lab-tiny-llama' has n_experts=0 .*choose an MoE preset: .*lab-tiny-moe"),
+    ({"spec": "nope"}, r"unknown model preset 'nope'"),
+    ({"backend": "mpi"}, r"backend='mpi' is not valid"),
+])
+def test_check_chapter_rejects_before_launch(change, match):
+    ex.check_chapter(**CHAPTER)  # the chapter's defaults are valid
+    with pytest.raises(ValueError, match=match):
+        ex.check_chapter(**{**CHAPTER, **change})
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+@pytest.mark.parametrize("n_experts", [2, 8, 64])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_parity_tokens_make_capacity_half_drop(world_size, n_experts, top_k):
+    n = ex.parity_tokens(world_size, n_experts, top_k)
+    n_local = n // world_size  # the even placement's smallest share
+    assignments = n_local * top_k
+    kept_at_most = ex.expert_capacity(n_local, n_experts, top_k, 0.5) * n_experts
+    assert kept_at_most < assignments  # pigeonhole: some assignment must be dropped
+
+
+def test_a2a_bytes_table_labels_every_number():
+    fake = [{"rank": r, "stats": {"send_rows": [3, 5], "dispatch_total_bytes": 8 * 4, "dispatch_bytes": 5 * 4
+                                  if r == 0 else 3 * 4, "combine_bytes": 12}} for r in range(2)]
+    df = ex.a2a_bytes_table(fake)
+    assert all(c == "rank" or c.startswith(("measured_", "predicted_")) for c in df.columns), list(df.columns)
+    assert df["predicted_offrank_bytes"].tolist() == [16.0, 16.0]
+    assert df["measured_offrank_bytes"].tolist() == [20, 12]
 
 
 def test_capacity_and_drop_policies():
@@ -166,3 +229,54 @@ def _group(rows):
     for row in rows:
         out[(row["placement"], row["capacity_factor"])].append(row)
     return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# the chapter's cells: validation first, an exercise that does not give its answer away
+# ------------------------------------------------------------------------------------------------------
+def _chapter_cells(path):
+    import nbformat
+
+    cells = nbformat.read(str(path), 4).cells
+    i = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    first = next(c.source for c in cells[i + 1:] if c.cell_type == "code")
+    exercise = next(c.source for c in cells if c.cell_type == "code" and "= None  #" in c.source
+                    and "not attempted" in c.source)
+    return cells[i].source, first, exercise
+
+
+def _check_chapter_call(source):
+    import ast
+
+    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)
+             and getattr(n.func, "attr", "") == "check_chapter"]
+    assert len(calls) == 1, "the first code cell validates through one check_chapter call"
+    return {k.arg for k in calls[0].keywords}
+
+
+def test_chapter_08_validates_every_parameter_before_anything_else():
+    from labkit.notebooks import declared_parameters
+
+    path = ROOT / "notebooks" / "08_expert_parallel.ipynb"
+    params, first, _ = _chapter_cells(path)
+    assert _check_chapter_call(first) == set(declared_parameters(path))  # every parameter is validated
+    ns = {}
+    exec(params, ns)
+    ns["world_size"] = 1
+    with pytest.raises(ValueError, match=r"chapter 08 needs world_size >= 2: .*got world_size=1"):
+        exec(first, ns)  # the first code cell after the parameters: nothing launched yet
+
+
+def test_chapter_08_exercise_not_attempted_gives_a_hint_not_the_answer(capsys):
+    _, _, exercise = _chapter_cells(ROOT / "notebooks" / "08_expert_parallel.ipynb")
+    ns = {"ex": ex}
+    exec(exercise, ns)  # unattended (CI): the reference is still computed, silently
+    out = capsys.readouterr().out
+    ref = ns["reference"]
+    assert out.startswith("not attempted yet") and "hint" in out
+    assert str(ref) not in out and f"{ref:.3f}" not in out and f"{ref:,}" not in out, out
+    exec(exercise.replace("answer = None", f"answer = {ref!r}"), ns)
+    assert capsys.readouterr().out.strip() == "correct"
+    with pytest.raises(AssertionError) as wrong:
+        exec(exercise.replace("answer = None", "answer = 3"), ns)
+    assert str(ref) not in str(wrong.value) and f"{ref:.3f}" not in str(wrong.value)

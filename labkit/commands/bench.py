@@ -18,6 +18,8 @@ HELP = "run a benchmark (collectives: an nccl-tests-like sweep with algbw and bu
 
 @dataclass(frozen=True)
 class Bench:
+    """One benchmark: its one-line help, ``add_arguments(parser)`` and ``run(args) -> exit status``."""
+
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
@@ -53,8 +55,13 @@ def _collectives_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _collectives_run(args: argparse.Namespace) -> int:
+    """Validate, sweep, print. Bad input raises ValueError before any rank starts; a failed or timed-out run
+    raises :class:`labkit.LaunchError` and a closed stdout ``BrokenPipeError``: all are left to
+    :mod:`labkit.cli`, which turns each into one line on stderr and exit status 2 (never caught here)."""
     from labkit import collectives as col
+    from labkit.checks import positive_float
 
+    positive_float("timeout_s", args.timeout_s)
     sizes = [col.parse_size(s, "sizes") for s in args.sizes.split(",")] if args.sizes else None
     df = col.sweep(args.ops, sizes, args.world_size, min_size=args.min_size, max_size=args.max_size,
                    factor=args.step_factor, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
@@ -83,6 +90,7 @@ BENCHES: dict[str, Bench] = {
 # the subcommand
 # ------------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One sub-parser per entry of :data:`BENCHES`."""
     sub = p.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(p))
     for name, bench in BENCHES.items():
         q = sub.add_parser(name, help=bench.help, description=bench.help)
@@ -91,6 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark; exit status 2 when none is named."""
     fn = getattr(args, "_bench_run", None)
     if fn is None:
         print(f"labkit bench: error: name a benchmark: {', '.join(BENCHES)}", file=sys.stderr)

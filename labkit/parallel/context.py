@@ -27,12 +27,14 @@ diagonal is masked — masking every block is the classic bug (:func:`ring_atten
 it). Non-causal attention sees every pair unmasked, with or without load balancing.
 
 Validation (:func:`check_context_parallel`): seq_len divisible by cp (by 2·cp with load balancing), n_heads
-divisible by cp for Ulysses. Dropout inside attention is not supported (ValueError).
+divisible by cp for Ulysses. Dropout inside attention is not supported (ValueError). Chapter 07 validates its
+parameters with :func:`check_chapter` before it launches anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 
@@ -73,6 +75,50 @@ def check_context_parallel(seq_len: int, cp: int, *, load_balance: bool = False,
         if n_heads is None:
             raise ValueError("method='ulysses' needs n_heads (Ulysses shards attention heads over cp ranks)")
         check_divides("cp", cp, "n_heads", n_heads, hint="Ulysses gives each rank n_heads/cp heads")
+
+
+def check_chapter(*, world_size: int, seq_len: int, n_heads: int, head_dim: int, batch: int, repeats: int,
+                  backend: str = "auto") -> None:
+    """Validate chapter 07's parameters before anything is launched (the chapter's first code cell).
+
+    Raises ValueError naming the value and the fix: world_size < 2 (context parallelism splits the sequence
+    over ranks: one rank has nothing to exchange), 2·world_size not dividing seq_len (zigzag cuts the
+    sequence into 2·cp chunks), world_size not dividing n_heads (Ulysses), sizes or repeats < 1, or a backend
+    the machine cannot run (:func:`labkit.launcher.resolve_backend`)."""
+    from labkit.launcher import resolve_backend
+
+    world_size = positive_int("world_size", world_size)
+    if world_size < 2:
+        raise ValueError(f"chapter 07 needs world_size >= 2: context parallelism splits the sequence over ranks "
+                         f"and exchanges keys and values between them; got world_size={world_size}")
+    for name, value in (("seq_len", seq_len), ("n_heads", n_heads), ("head_dim", head_dim), ("batch", batch),
+                        ("repeats", repeats)):
+        positive_int(name, value)
+    try:
+        check_context_parallel(seq_len, world_size, load_balance=True, method="ulysses", n_heads=n_heads)
+    except ValueError as e:
+        raise ValueError(f"chapter 07 runs cp = world_size={world_size}: {e}; or choose seq_len / n_heads "
+                         "that it divides") from None
+    resolve_backend(backend, world_size)
+
+
+def model_cases(world_size: int, spec: str = "lab-tiny-llama") -> tuple[list[dict], list[str]]:
+    """The whole-model parity cases chapter 07 runs on ``world_size`` ranks (:func:`cp_parity_rank`'s
+    ``model_cases``): ring with zigzag, and Ulysses when ``world_size`` divides the model's heads (and its
+    kv heads are repeated to them). Returns ``(cases, skipped)``, ``skipped`` saying why a case was left out.
+    A case also needs the model's ``max_seq_len`` to hold 8·world_size tokens."""
+    from labkit.spec import get_spec
+
+    m = get_spec(spec)
+    cases, skipped = [], []
+    if 8 * world_size > m.max_seq_len:
+        return [], [f"{spec}: max_seq_len={m.max_seq_len} cannot hold 8·world_size={8 * world_size} tokens"]
+    cases.append({"method": "ring", "load_balance": True})
+    if m.n_heads % world_size == 0:
+        cases.append({"method": "ulysses", "load_balance": False})
+    else:
+        skipped.append(f"ulysses on {spec}: cp={world_size} does not divide its n_heads={m.n_heads}")
+    return cases, skipped
 
 
 def n_chunks(cp: int, load_balance: bool = False) -> int:
@@ -137,12 +183,17 @@ def chunk_pairs(q_ids: list[int], k_ids: list[int], causal: bool,
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _upper_mask(tq: int, tk: int, device) -> torch.Tensor:
+    """bool [tq, tk], True above the diagonal (the future keys of a diagonal block); cached, so masking a
+    block costs one in-place fill and not a fresh mask each call."""
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).triu(1)
+
+
 def _block_scores(q, k, masked: bool, scale: float):
-    s = (q @ k.transpose(-2, -1)) * scale
+    s = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
     if masked:
-        tq, tk = s.shape[-2], s.shape[-1]
-        upper = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(upper, float("-inf"))
+        s.masked_fill_(_upper_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
     return s
 
 
@@ -151,15 +202,34 @@ _WORK_COUNTERS: list[dict] = []
 
 @contextlib.contextmanager
 def count_work():
-    """Count the attention score entries this process computes inside the block (forward kernel only):
-    yields a dict whose ``"score_entries"`` grows by B·heads·rows·cols for every chunk pair computed. A
-    deterministic measure of the work, beside the timed one."""
-    counter = {"score_entries": 0}
+    """Count the attention work this process does inside the block: yields a dict with
+
+    * ``"score_entries"`` — grows by B·heads·rows·cols for every chunk pair the forward kernel computes: a
+      deterministic count of the work (the same on every run);
+    * ``"kernel_cpu_ns"`` — CPU time of the calling thread inside the forward and backward block kernels
+      (``time.thread_time_ns``): the work as timed, without communication, waits or per-step bookkeeping, and
+      unaffected by other processes taking the cores (time spent descheduled is not CPU time). Complete only
+      when torch runs on one thread (:func:`cp_profile_rank` sees to it)."""
+    counter = {"score_entries": 0, "kernel_cpu_ns": 0}
     _WORK_COUNTERS.append(counter)
     try:
         yield counter
     finally:
         _WORK_COUNTERS.remove(counter)
+
+
+@contextlib.contextmanager
+def _kernel_cpu():
+    if not _WORK_COUNTERS:
+        yield
+        return
+    c0 = time.thread_time_ns()
+    try:
+        yield
+    finally:
+        dt = time.thread_time_ns() - c0
+        for counter in _WORK_COUNTERS:
+            counter["kernel_cpu_ns"] += dt
 
 
 def _attend(q, k, v, q_ids, k_ids, causal, out, lse, mask_policy="diagonal"):
@@ -169,6 +239,14 @@ def _attend(q, k, v, q_ids, k_ids, causal, out, lse, mask_policy="diagonal"):
     ck = k.shape[-2] // len(k_ids)
     scale = 1.0 / math.sqrt(q.shape[-1])
     pairs = chunk_pairs(q_ids, k_ids, causal, mask_policy)
+    with _kernel_cpu():
+        _attend_pairs(q, k, v, pairs, cq, ck, scale, out, lse)
+    for counter in _WORK_COUNTERS:
+        counter["score_entries"] += len(pairs) * q.shape[:-2].numel() * cq * ck
+    return len(pairs)
+
+
+def _attend_pairs(q, k, v, pairs, cq, ck, scale, out, lse):
     for i, j, masked in pairs:
         qs, ks = slice(i * cq, (i + 1) * cq), slice(j * ck, (j + 1) * ck)
         s = _block_scores(q[..., qs, :], k[..., ks, :], masked, scale)
@@ -183,9 +261,6 @@ def _attend(q, k, v, q_ids, k_ids, causal, out, lse, mask_policy="diagonal"):
         w_blk = torch.exp(blk_lse - l_new_safe)
         o.mul_(w_old[..., None]).add_(blk_out * w_blk[..., None])
         l_old.copy_(l_new)
-    for counter in _WORK_COUNTERS:
-        counter["score_entries"] += len(pairs) * q.shape[:-2].numel() * cq * ck
-    return len(pairs)
 
 
 def _attend_backward(q, k, v, dout, lse, delta, q_ids, k_ids, causal, dq, dk, dv):
@@ -195,15 +270,16 @@ def _attend_backward(q, k, v, dout, lse, delta, q_ids, k_ids, causal, dq, dk, dv
     ck = k.shape[-2] // len(k_ids)
     scale = 1.0 / math.sqrt(q.shape[-1])
     pairs = chunk_pairs(q_ids, k_ids, causal)
-    for i, j, masked in pairs:
-        qs, ks = slice(i * cq, (i + 1) * cq), slice(j * ck, (j + 1) * ck)
-        qb, kb, vb, dob = q[..., qs, :], k[..., ks, :], v[..., ks, :], dout[..., qs, :]
-        p = torch.exp(_block_scores(qb, kb, masked, scale) - lse[..., qs, None])
-        dv[..., ks, :] += p.transpose(-2, -1) @ dob
-        dp = dob @ vb.transpose(-2, -1)
-        ds = p * (dp - delta[..., qs, None])
-        dq[..., qs, :] += (ds @ kb) * scale
-        dk[..., ks, :] += (ds.transpose(-2, -1) @ qb) * scale
+    with _kernel_cpu():
+        for i, j, masked in pairs:
+            qs, ks = slice(i * cq, (i + 1) * cq), slice(j * ck, (j + 1) * ck)
+            qb, kb, vb, dob = q[..., qs, :], k[..., ks, :], v[..., ks, :], dout[..., qs, :]
+            p = torch.exp(_block_scores(qb, kb, masked, scale) - lse[..., qs, None])
+            dv[..., ks, :] += p.transpose(-2, -1) @ dob
+            dp = dob @ vb.transpose(-2, -1)
+            ds = p * (dp - delta[..., qs, None])
+            dq[..., qs, :] += (ds @ kb) * scale
+            dk[..., ks, :] += (ds.transpose(-2, -1) @ qb) * scale
     return len(pairs)
 
 
@@ -523,21 +599,139 @@ def ring_attention_emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 # ------------------------------------------------------------------------------------------------------
 # predictions (pure Python)
 # ------------------------------------------------------------------------------------------------------
+def predicted_pair_blocks(cp: int, *, load_balance: bool = False, causal: bool = True,
+                          method: str = "ring") -> list[tuple[float, float]]:
+    """Per rank, the attention work split into ``(full, diagonal)`` blocks of (seq_len/cp)² score entries ×
+    all heads: chunk pairs computed without a mask, and diagonal pairs computed with the triangular mask
+    (which cost more per entry in this kernel: the masked fill, and exp/log-sum-exp of -inf). Their sum is
+    :func:`predicted_blocks`. Pure Python.
+
+    Raises ValueError for an unknown method or cp < 1."""
+    check_choice("method", method, METHODS)
+    cp = positive_int("cp", cp)
+    per_chunk = 1.0 / (2 if load_balance else 1) ** 2  # area of one chunk pair in blocks
+
+    def split(pairs, share=1.0):
+        diag = sum(1 for _, _, masked in pairs if masked)
+        return ((len(pairs) - diag) * per_chunk * share, diag * per_chunk * share)
+
+    if method == "ulysses":
+        all_ids = [c for s in range(cp) for c in chunk_ids(s, cp, load_balance)]
+        return [split(chunk_pairs(all_ids, all_ids, causal), 1.0 / cp)] * cp
+    out = []
+    for r in range(cp):
+        pairs = [p for s in range(cp)
+                 for p in chunk_pairs(chunk_ids(r, cp, load_balance), chunk_ids(s, cp, load_balance), causal)]
+        out.append(split(pairs))
+    return out
+
+
 def predicted_blocks(cp: int, *, load_balance: bool = False, causal: bool = True, method: str = "ring") -> list[float]:
     """Attention work per rank, in blocks of (seq_len/cp)² score entries × all heads (forward; backward
     is proportional). A computed chunk pair counts fully, also on the diagonal (the kernel masks after
     computing). Ring / all-gather, causal, contiguous: rank r computes r+1 blocks (Brandon et al. 2023,
     §3); zigzag: (2·cp+1)/4 on every rank; non-causal: cp. Ulysses: every rank the whole sequence for
-    heads/cp, so the same as the ring's mean."""
+    heads/cp, so the same as the ring's mean.
+
+    Raises ValueError for an unknown method or cp < 1."""
+    return [f + d for f, d in predicted_pair_blocks(cp, load_balance=load_balance, causal=causal, method=method)]
+
+
+def block_costs(*, batch: int, n_heads: int, block_len: int, head_dim: int, repeats: int = 5) -> dict:
+    """Measured in this process, on one torch thread: CPU time of one block of ``block_len`` queries against
+    ``block_len`` keys through this module's forward and backward kernels, unmasked (``full_ms``) and with
+    the causal mask (``diagonal_ms``), the minimum over ``repeats`` (the least disturbed). fp32, random data.
+
+    Returns ``{"full_ms", "diagonal_ms", "diagonal_over_full"}`` (measured). Raises ValueError for sizes < 1."""
+    for name, v in (("batch", batch), ("n_heads", n_heads), ("block_len", block_len), ("head_dim", head_dim),
+                    ("repeats", repeats)):
+        positive_int(name, v)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, n_heads, block_len, head_dim, generator=g) for _ in range(4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    best = {}
+    try:
+        for label, q_ids in (("full", [1]), ("diagonal", [0])):
+            times = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                with count_work() as work:
+                    out, lse = _new_out_lse(q)
+                    _attend(q, k, v, q_ids, [0], True, out, lse)
+                    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+                    _attend_backward(q, k, v, dout, lse, (dout * out).sum(-1), q_ids, [0], True, dq, dk, dv)
+                times.append(work["kernel_cpu_ns"] / 1e6)
+            best[label] = min(times[1:])
+    finally:
+        torch.set_num_threads(threads)
+    return {"full_ms": best["full"], "diagonal_ms": best["diagonal"],
+            "diagonal_over_full": best["diagonal"] / best["full"]}
+
+
+def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict:
+    """The causal imbalance of contiguous (naive) sharding vs zigzag, from a :func:`profile_table` (the
+    configs whose ``cp`` is the largest in the table, causal), for ``method``:
+
+    * counted (deterministic): ``blocks_naive`` / ``blocks_zigzag`` per rank and ``counted_naive_ratio``
+      (last rank / first rank: cp when the kernel computes r+1 blocks on rank r) and
+      ``counted_zigzag_ratio`` (busiest / least busy: 1);
+    * measured: ``kernel_cpu_ms_naive`` / ``kernel_cpu_ms_zigzag`` per rank (least-disturbed repeat) and the
+      same two ratios, ``measured_naive_ratio`` and ``measured_zigzag_ratio``;
+    * predicted: ``predicted_naive_ratio`` = cp from the block counts, and, with ``costs`` from
+      :func:`block_costs`, ``predicted_weighted_naive_ratio``: the same with each diagonal block weighted by
+      its measured cost relative to a full block;
+    * ``shows_imbalance`` (bool): the measured naive ratio exceeds both 1.2 and the measured zigzag ratio
+      by 0.15 — the timing shows what the counts say;
+    * ``conclusion``: one sentence written from these numbers (what this run showed, not what it should).
+
+    Raises ValueError when the table has no causal naive and zigzag rows of ``method`` at cp >= 2."""
     check_choice("method", method, METHODS)
-    cp = positive_int("cp", cp)
-    per_chunk = 1.0 / (2 if load_balance else 1) ** 2  # area of one chunk pair in blocks
-    if method == "ulysses":
-        all_ids = [c for s in range(cp) for c in chunk_ids(s, cp, load_balance)]
-        n = len(chunk_pairs(all_ids, all_ids, causal)) * per_chunk / cp
-        return [n] * cp
-    return [sum(len(chunk_pairs(chunk_ids(r, cp, load_balance), chunk_ids(s, cp, load_balance), causal))
-                for s in range(cp)) * per_chunk for r in range(cp)]
+    t = table[table["method"] == method]
+    cp = int(t["cp"].max()) if len(t) else 0
+    t = t[t["cp"] == cp]
+    if cp < 2 or set(t["load_balance"]) != {False, True}:
+        raise ValueError(f"imbalance() needs naive and zigzag rows of method={method!r} at cp >= 2 in the table; "
+                         f"got cp={cp} with load_balance in {sorted(set(t['load_balance']))}")
+    naive = t[~t["load_balance"]].sort_values("rank")
+    zz = t[t["load_balance"]].sort_values("rank")
+    out = {"method": method, "cp": cp,
+           "blocks_naive": naive["blocks"].tolist(), "blocks_zigzag": zz["blocks"].tolist(),
+           "kernel_cpu_ms_naive": naive["kernel_cpu_ms"].tolist(),
+           "kernel_cpu_ms_zigzag": zz["kernel_cpu_ms"].tolist()}
+    out["counted_naive_ratio"] = out["blocks_naive"][-1] / out["blocks_naive"][0]
+    out["counted_zigzag_ratio"] = max(out["blocks_zigzag"]) / min(out["blocks_zigzag"])
+    out["predicted_naive_ratio"] = float(cp)
+    if costs is not None:
+        w = costs["diagonal_over_full"]
+        work = [f + w * d for f, d in predicted_pair_blocks(cp, method=method)]
+        out["predicted_weighted_naive_ratio"] = work[-1] / work[0]
+    cpu_n, cpu_z = out["kernel_cpu_ms_naive"], out["kernel_cpu_ms_zigzag"]
+    timed = all(x == x for x in cpu_n + cpu_z)  # NaN on a GPU: no CPU kernel time
+    out["measured_naive_ratio"] = cpu_n[-1] / cpu_n[0] if timed else float("nan")
+    out["measured_zigzag_ratio"] = max(cpu_z) / min(cpu_z) if timed else float("nan")
+    out["shows_imbalance"] = bool(timed and out["measured_naive_ratio"] > 1.2
+                                  and out["measured_naive_ratio"] > out["measured_zigzag_ratio"] + 0.15)
+    counted = (f"Counted: with contiguous sharding the last of {cp} ranks computed "
+               f"{out['counted_naive_ratio']:.2f}x the first rank's attention blocks (predicted {cp}), with "
+               f"zigzag the busiest computed {out['counted_zigzag_ratio']:.2f}x the least busy (predicted 1). ")
+    weighted = ""
+    if "predicted_weighted_naive_ratio" in out:
+        weighted = (f"; {out['predicted_weighted_naive_ratio']:.2f} once a masked diagonal block costs "
+                    f"{costs['diagonal_over_full']:.2f}x a full one, as measured here")
+    if not timed:
+        timing = "Measured: no CPU kernel time on a GPU (kernels run asynchronously); read the timeline instead."
+    else:
+        ratios = (f"last/first {out['measured_naive_ratio']:.2f} naive (predicted {cp} from the counts{weighted}), "
+                  f"max/min {out['measured_zigzag_ratio']:.2f} zigzag")
+        if out["shows_imbalance"]:
+            timing = (f"Measured kernel CPU time (least-disturbed repeat) shows the imbalance in this run: {ratios}; "
+                      "zigzag evens the work out.")
+        else:
+            timing = (f"Measured kernel CPU time (least-disturbed repeat) does NOT show the imbalance in this run: "
+                      f"{ratios}. The counts above are exact; the timing was blurred, most likely by other "
+                      "processes sharing the cores (re-run section 4, raise repeats or seq_len).")
+    out["conclusion"] = counted + timing
+    return out
 
 
 def ring_schedule(cp: int, *, load_balance: bool = False, causal: bool = True) -> list[dict]:
@@ -583,6 +777,16 @@ def predicted_table(cps, *, batch: int, n_heads: int, seq_len: int, head_dim: in
     return rows
 
 
+def _check_shape(method: str, cp: int, **sizes) -> int:
+    """Validate a (method, cp, shape) for the byte predictions; returns cp. ValueError names the value."""
+    check_choice("method", method, METHODS)
+    cp = positive_int("cp", cp)
+    for name, value in sizes.items():
+        positive_int(name, value)
+    check_context_parallel(sizes["seq_len"], cp, method=method, n_heads=sizes["n_heads"])
+    return cp
+
+
 def predicted_comm_bytes(method: str, cp: int, *, batch: int, n_heads: int, seq_len: int, head_dim: int,
                          element_size: int = 4) -> dict[str, int]:
     """Bytes one rank sends for one attention forward and backward (bytes, int), with S = B·h·(T/cp)·d·e
@@ -594,9 +798,16 @@ def predicted_comm_bytes(method: str, cp: int, *, batch: int, n_heads: int, seq_
       (ring algorithm share, Patarasuk & Yuan 2009).
     * ulysses: forward all-to-all of q,k,v (3S) and of the output (S), each sending (cp−1)/cp of its input;
       backward the same (Jacobs et al. 2023 §3: 4 all-to-alls, volume falling as 1/cp per rank).
+
+    Returns ``{"forward": bytes, "backward": bytes}`` (int).
+
+    Raises:
+        ValueError: unknown method; cp, batch, n_heads, seq_len, head_dim or element_size not an integer
+            >= 1; cp not dividing seq_len; for Ulysses, cp not dividing n_heads (each message names the value
+            and the valid ones, :func:`check_context_parallel`).
     """
-    check_choice("method", method, METHODS)
-    cp = positive_int("cp", cp)
+    cp = _check_shape(method, cp, batch=batch, n_heads=n_heads, seq_len=seq_len, head_dim=head_dim,
+                      element_size=element_size)
     s = batch * n_heads * (seq_len // cp) * head_dim * element_size
     if cp == 1:
         return {"forward": 0, "backward": 0}
@@ -613,9 +824,12 @@ def predicted_saved_bytes(method: str, cp: int, *, batch: int, n_heads: int, seq
                           element_size: int = 4) -> int:
     """Bytes the attention kernel keeps for backward on one rank (q, k, v, out and the log-sum-exp):
     ring and Ulysses 4·B·h·(T/cp)·d·e + B·h·(T/cp)·e, all ``1/cp``; all-gather keeps the gathered K,V:
-    2·B·h·(T/cp)·d·e + 2·B·h·T·d·e + B·h·(T/cp)·e. Counted from the tensors the kernels save (this module)."""
-    check_choice("method", method, METHODS)
-    t = seq_len // positive_int("cp", cp)
+    2·B·h·(T/cp)·d·e + 2·B·h·T·d·e + B·h·(T/cp)·e. Counted from the tensors the kernels save (this module).
+
+    Raises ValueError as :func:`predicted_comm_bytes` does."""
+    cp = _check_shape(method, cp, batch=batch, n_heads=n_heads, seq_len=seq_len, head_dim=head_dim,
+                      element_size=element_size)
+    t = seq_len // cp
     shard = batch * n_heads * t * head_dim * element_size
     lse = batch * n_heads * t * element_size
     if method == "allgather" and cp > 1:
@@ -737,63 +951,84 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
 
     ``configs``: dicts with ``method``, ``load_balance`` and optionally ``cp`` (a divisor of world_size,
     default world_size; with cp < world_size the ranks form world_size/cp independent CP groups of
-    consecutive ranks, all running at once).
+    consecutive ranks, all running at once). On CPU torch runs on one thread for the whole profile (restored
+    afterwards), so a thread's CPU time is all of its compute and ranks do not compete with their own threads.
 
     Per config and rank, measured: ``saved_bytes`` (storages autograd saves for the attention's backward,
     bytes, :class:`labkit.measure.SavedActivations`),
-    ``score_entries`` (attention scores the forward kernel computed, :func:`count_work`),
+    ``score_entries`` (attention scores the forward kernel computed, :func:`count_work`: a count),
     ``fwd_bytes`` / ``bwd_bytes`` (bytes this rank sends, from :class:`labkit.commlog.CommLog`),
-    ``compute_ns`` (per repeat: the rank's attention compute events, wall ns), ``cpu_ns`` (per repeat: CPU
-    time of the rank's thread, ``time.thread_time_ns``: the work done, unaffected by other processes
-    sharing the cores; meaningful on CPU with one torch thread per rank), ``iter_ns`` (per repeat, barrier to
-    end of backward) and ``window_ns`` (start, end of the timed repeats on the timeline's clock), plus the
-    events in ``ctx.timeline`` (``stage`` = ring step). One warm-up iteration precedes the timed ones.
+    ``kernel_cpu_ns`` (per repeat: CPU time inside the forward and backward block kernels,
+    :func:`count_work`; None on a GPU, where kernels run asynchronously), ``compute_ns`` (per repeat: the
+    rank's attention compute events, wall ns), ``cpu_ns`` (per repeat: CPU time of the rank's thread over
+    the whole iteration, ``time.thread_time_ns``, communication bookkeeping included), ``iter_ns`` (per
+    repeat, barrier to end of backward) and ``window_ns`` (start, end of the timed repeats on the timeline's
+    clock), plus the events in ``ctx.timeline`` (``stage`` = ring step). One warm-up iteration precedes the
+    timed ones.
+
+    Raises ValueError (before any collective) for a cp that does not divide world_size or a configuration
+    :func:`check_context_parallel` rejects.
     """
     from labkit import timeline as tl
     from labkit.commlog import CommLog
 
+    for cfg in configs:  # every rank validates every config before the first collective
+        c = cfg.get("cp", ctx.world_size)
+        check_divides("cp", c, "world_size", ctx.world_size)
+        check_context_parallel(seq_len, c, load_balance=cfg["load_balance"], method=cfg["method"],
+                               n_heads=n_heads)
     groups = {}
     for cfg in configs:  # every rank creates the same groups in the same order
         c = cfg.get("cp", ctx.world_size)
         if c not in groups:
-            check_divides("cp", c, "world_size", ctx.world_size)
             groups[c] = dist.new_subgroups(group_size=c)[0]
     full = [t.to(ctx.device) for t in _qkv(seed, batch, n_heads, seq_len, head_dim)]
+    threads = torch.get_num_threads()
+    if not ctx.is_cuda:
+        torch.set_num_threads(1)
     rows = []
-    for i, cfg in enumerate(configs):
-        method, lb = cfg["method"], cfg["load_balance"]
-        c = cfg.get("cp", ctx.world_size)
-        group = groups[c]
-        gr = dist.get_rank(group)
-        check_context_parallel(seq_len, c, load_balance=lb, method=method, n_heads=n_heads)
-        q, k, v, dout = (shard_sequence(t, c, gr, lb).contiguous() for t in full)
-
-        args = (q, k, v, dout, method, causal, lb, group)
-        _profile_once(*args)  # warm-up
-        with CommLog() as log, count_work() as work:
-            saved_bytes = _profile_once(*args, log=log)
-        comm = log.to_frame()
-        sent = comm.groupby("tag")["bytes_per_rank"].sum() if len(comm) else {}
-        compute_ns, iter_ns, cpu_ns = [], [], []
-        ctx.barrier()
-        w0 = tl.now_ns()
-        for _ in range(repeats):
-            ctx.barrier()
-            n0 = len(ctx.timeline.events)
-            t0, c0 = tl.now_ns(), time.thread_time_ns()
-            _profile_once(*args, timeline=ctx.timeline)
-            cpu_ns.append(time.thread_time_ns() - c0)
-            iter_ns.append(tl.now_ns() - t0)
-            ev = ctx.timeline.events[n0:]
-            compute_ns.append(sum(e[4] - e[3] for e in ev if e[2] == "compute"))
-        w1 = tl.now_ns()
-        ctx.barrier()
-        rows.append({"config": i, "method": method, "load_balance": lb, "cp": c, "rank": ctx.rank, "cp_rank": gr,
-                     "causal": causal, "saved_bytes": saved_bytes, "score_entries": work["score_entries"],
-                     "fwd_bytes": int(sent.get("forward", 0)), "bwd_bytes": int(sent.get("backward", 0)),
-                     "compute_ns": compute_ns, "cpu_ns": cpu_ns, "iter_ns": iter_ns,
-                     "window_ns": (w0 - ctx.clock_offset_ns, w1 - ctx.clock_offset_ns)})
+    try:
+        for i, cfg in enumerate(configs):
+            rows.append(_profile_config(ctx, i, cfg, groups, full, causal, repeats, tl, CommLog))
+    finally:
+        torch.set_num_threads(threads)
     return rows
+
+
+def _profile_config(ctx, i, cfg, groups, full, causal, repeats, tl, CommLog) -> dict:
+    method, lb = cfg["method"], cfg["load_balance"]
+    c = cfg.get("cp", ctx.world_size)
+    group = groups[c]
+    gr = dist.get_rank(group)
+    q, k, v, dout = (shard_sequence(t, c, gr, lb).contiguous() for t in full)
+
+    args = (q, k, v, dout, method, causal, lb, group)
+    _profile_once(*args)  # warm-up
+    with CommLog() as log, count_work() as work:
+        saved_bytes = _profile_once(*args, log=log)
+    comm = log.to_frame()
+    sent = comm.groupby("tag")["bytes_per_rank"].sum() if len(comm) else {}
+    compute_ns, iter_ns, cpu_ns, kernel_ns = [], [], [], []
+    ctx.barrier()
+    w0 = tl.now_ns()
+    for _ in range(repeats):
+        ctx.barrier()
+        n0 = len(ctx.timeline.events)
+        t0, c0 = tl.now_ns(), time.thread_time_ns()
+        with count_work() as timed:
+            _profile_once(*args, timeline=ctx.timeline)
+        cpu_ns.append(time.thread_time_ns() - c0)
+        iter_ns.append(tl.now_ns() - t0)
+        kernel_ns.append(timed["kernel_cpu_ns"])
+        ev = ctx.timeline.events[n0:]
+        compute_ns.append(sum(e[4] - e[3] for e in ev if e[2] == "compute"))
+    w1 = tl.now_ns()
+    ctx.barrier()
+    return {"config": i, "method": method, "load_balance": lb, "cp": c, "rank": ctx.rank, "cp_rank": gr,
+            "causal": causal, "saved_bytes": saved_bytes, "score_entries": work["score_entries"],
+            "fwd_bytes": int(sent.get("forward", 0)), "bwd_bytes": int(sent.get("backward", 0)),
+            "kernel_cpu_ns": None if ctx.is_cuda else kernel_ns, "compute_ns": compute_ns, "cpu_ns": cpu_ns,
+            "iter_ns": iter_ns, "window_ns": (w0 - ctx.clock_offset_ns, w1 - ctx.clock_offset_ns)}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -802,24 +1037,28 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
 def profile_table(result, *, batch: int, n_heads: int, seq_len: int, head_dim: int, element_size: int = 4):
     """One row per (config, rank) of a :func:`cp_profile_rank` launch, measured beside predicted:
 
-    ``blocks`` (score entries the kernel computed / (B·heads·(T/cp)²), counted) beside ``predicted_blocks``
-    (:func:`predicted_blocks`), ``compute_ms`` (wall, median over repeats, measured), ``cpu_ms`` (thread CPU
-    time, the minimum over repeats: the least disturbed by other processes, measured), ``compute_share``
-    (this rank's CPU time / its group's mean, measured; CPU time because wall time on a shared machine
-    includes waiting for a core) beside ``predicted_share`` (:func:`predicted_blocks` / mean),
-    ``saved_bytes`` beside ``predicted_saved_bytes``, ``sent_bytes`` (forward + backward, measured) beside
-    ``predicted_sent_bytes`` (:func:`predicted_comm_bytes`)."""
+    ``blocks`` (score entries the kernel computed / (B·heads·(T/cp)²): counted, the same on every run) beside
+    ``predicted_blocks`` (:func:`predicted_blocks`); ``kernel_cpu_ms`` (CPU time inside the block kernels,
+    forward + backward, the minimum over repeats: the least disturbed, measured; NaN on a GPU);
+    ``compute_ms`` (wall time of the compute events, median over repeats, measured); ``cpu_ms`` (thread CPU
+    time of the whole iteration, minimum over repeats, measured); ``compute_share`` (this rank's
+    ``kernel_cpu_ms`` / its group's mean, measured; on a GPU ``compute_ms`` instead) beside
+    ``predicted_share`` (:func:`predicted_blocks` / mean); ``saved_bytes`` beside ``predicted_saved_bytes``;
+    ``sent_bytes`` (forward + backward, measured) beside ``predicted_sent_bytes``
+    (:func:`predicted_comm_bytes`)."""
     import statistics
 
     import pandas as pd
 
     rows = [row for rank_rows in result for row in rank_rows]
     df = pd.DataFrame(rows)
+    df["kernel_cpu_ms"] = df["kernel_cpu_ns"].map(lambda xs: min(xs) / 1e6 if xs else float("nan"))
     df["compute_ms"] = df["compute_ns"].map(lambda xs: statistics.median(xs) / 1e6)
     df["cpu_ms"] = df["cpu_ns"].map(lambda xs: min(xs) / 1e6)
     df["iter_ms"] = df["iter_ns"].map(lambda xs: statistics.median(xs) / 1e6)
     df["group"] = df["rank"] // df["cp"]
-    df["compute_share"] = df["cpu_ms"] / df.groupby(["config", "group"])["cpu_ms"].transform("mean")
+    work = df["kernel_cpu_ms"].where(df["kernel_cpu_ms"].notna(), df["compute_ms"])
+    df["compute_share"] = work / work.groupby([df["config"], df["group"]]).transform("mean")
     df["blocks"] = df["score_entries"] / (batch * n_heads * (seq_len // df["cp"]) ** 2)
     pred_share, pred_blocks, pred_saved, pred_sent = [], [], [], []
     for row in df.itertuples():
@@ -836,9 +1075,9 @@ def profile_table(result, *, batch: int, n_heads: int, seq_len: int, head_dim: i
     df["predicted_saved_bytes"] = pred_saved
     df["sent_bytes"] = df["fwd_bytes"] + df["bwd_bytes"]
     df["predicted_sent_bytes"] = pred_sent
-    cols = ["config", "method", "load_balance", "cp", "rank", "blocks", "predicted_blocks", "compute_ms", "cpu_ms",
-            "compute_share", "predicted_share", "iter_ms", "saved_bytes", "predicted_saved_bytes", "fwd_bytes",
-            "bwd_bytes", "sent_bytes", "predicted_sent_bytes"]
+    cols = ["config", "method", "load_balance", "cp", "rank", "blocks", "predicted_blocks", "kernel_cpu_ms",
+            "compute_ms", "cpu_ms", "compute_share", "predicted_share", "iter_ms", "saved_bytes",
+            "predicted_saved_bytes", "fwd_bytes", "bwd_bytes", "sent_bytes", "predicted_sent_bytes"]
     return df[cols]
 
 

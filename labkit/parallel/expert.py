@@ -57,12 +57,76 @@ def check_expert_parallel(n_experts: int, *, ep: int = 1, top_k: int = 1, capaci
     check_choice("drop_policy", drop_policy, DROP_POLICIES)
 
 
+def moe_spec(spec_name: str):
+    """The :class:`~labkit.spec.ModelSpec` preset ``spec_name``, which must be a mixture of experts.
+
+    Raises ValueError for an unknown preset or a dense one (the message lists the MoE presets)."""
+    from labkit.spec import get_spec, presets
+
+    spec = get_spec(spec_name)
+    if not spec.is_moe:
+        moe = sorted(name for name, p in presets().items() if p.is_moe)
+        raise ValueError(f"spec={spec_name!r} has n_experts=0 (a dense model); choose an MoE preset: "
+                         f"{', '.join(moe)}")
+    return spec
+
+
+def check_chapter(*, world_size: int, tokens_per_rank: int, hidden_size: int, ffn_hidden_size: int,
+                  n_experts: int, top_k: int, capacity_factor: float | None, capacity_factors, repeats: int,
+                  spec: str, backend: str = "auto") -> None:
+    """Validate chapter 08's parameters before anything is launched (the chapter's first code cell).
+
+    Raises ValueError naming the value and the fix: world_size < 2 (expert parallelism needs ranks to move
+    tokens between), ep = world_size not dividing n_experts, top_k outside 1..n_experts, a capacity factor
+    that is not > 0, ``capacity_factors`` empty or not increasing (the sweep's check reads the dropped
+    fraction falling along it), non-positive sizes or repeats, a ``spec`` that is not an MoE preset, or a
+    backend the machine cannot run (:func:`labkit.launcher.resolve_backend`).
+    """
+    from labkit.launcher import resolve_backend
+
+    world_size = positive_int("world_size", world_size)
+    if world_size < 2:
+        raise ValueError(f"chapter 08 needs world_size >= 2: expert parallelism spreads the experts over ranks "
+                         f"and moves tokens between them with all-to-all; got world_size={world_size}")
+    for name, value in (("tokens_per_rank", tokens_per_rank), ("hidden_size", hidden_size),
+                        ("ffn_hidden_size", ffn_hidden_size), ("repeats", repeats)):
+        positive_int(name, value)
+    if positive_int("n_experts", n_experts) % world_size:
+        check_divides("ep", world_size, "n_experts", n_experts,
+                      hint=f"chapter 08 runs ep = world_size={world_size}; choose a world_size from that list "
+                           "or an n_experts it divides")
+    check_expert_parallel(n_experts, ep=world_size, top_k=top_k, capacity_factor=capacity_factor)
+    if isinstance(capacity_factors, (str, bytes)) or not hasattr(capacity_factors, "__iter__"):
+        raise ValueError(f"capacity_factors={capacity_factors!r} must be a list of numbers > 0, e.g. [0.5, 1.0, 2.0]")
+    cfs = [positive_float("capacity_factors[]", c) for c in capacity_factors]
+    if not cfs:
+        raise ValueError("capacity_factors=[] is empty; give at least one number > 0, e.g. [0.5, 1.0, 2.0]")
+    if any(b <= a for a, b in zip(cfs, cfs[1:])):
+        raise ValueError(f"capacity_factors={list(capacity_factors)!r} must be strictly increasing (the sweep reads "
+                         f"the dropped fraction falling as capacity grows); e.g. {sorted(set(cfs))}")
+    moe_spec(spec)
+    resolve_backend(backend, world_size)
+
+
+def parity_tokens(world_size: int, n_experts: int, top_k: int) -> int:
+    """Tokens for :func:`ep_parity_rank`: at least 40, and enough that with an even placement every rank
+    routes ``4·n_experts`` assignments or more. Then a capacity factor of 0.5 must drop some: a rank with A
+    assignments keeps at most ``ceil(A/(2E))·E <= A/2 + E <= 3A/4`` of them."""
+    return max(40, math.ceil(4 * n_experts * positive_int("world_size", world_size) / top_k))
+
+
 def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
     """Slots per expert: ``ceil(capacity_factor · n_tokens · top_k / n_experts)`` (Switch Transformer §2.1,
-    times top_k as in GShard §2.2); None when ``capacity_factor`` is None (no limit)."""
+    times top_k as in GShard §2.2); None when ``capacity_factor`` is None (no limit).
+
+    Raises:
+        ValueError: n_tokens not an integer >= 0, n_experts not an integer >= 1, top_k outside 1..n_experts,
+            or capacity_factor neither None nor a finite number > 0 (each message names the value).
+    """
+    n_tokens = positive_int("n_tokens", n_tokens, minimum=0)
+    check_expert_parallel(n_experts, top_k=top_k, capacity_factor=capacity_factor)
     if capacity_factor is None:
         return None
-    positive_float("capacity_factor", capacity_factor)
     return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
 
 
@@ -70,8 +134,9 @@ def predicted_dropped_fraction(n_tokens: int, n_experts: int, top_k: int, capaci
     """Expected fraction of the n_tokens·top_k assignments dropped when routing is uniform and independent per
     token: each expert's load is X ~ Binomial(n_tokens, top_k/n_experts) (a token picks a given expert with
     probability top_k/n_experts), and E[dropped] = n_experts · E[max(0, X − C)] with C from
-    :func:`expert_capacity`. Pure Python. A model of an untrained (near-uniform) router, not of a trained one."""
-    n_tokens = positive_int("n_tokens", n_tokens, minimum=0)
+    :func:`expert_capacity`. Pure Python. A model of an untrained (near-uniform) router, not of a trained one.
+
+    Raises ValueError as :func:`expert_capacity` does."""
     cap = expert_capacity(n_tokens, n_experts, top_k, capacity_factor)
     if cap is None or n_tokens == 0:
         return 0.0
@@ -106,6 +171,7 @@ class Routing:
 
     @property
     def n_experts(self) -> int:
+        """E, the number of experts (the last dimension of ``probs``)."""
         return self.probs.shape[-1]
 
     def tokens_per_expert(self) -> torch.Tensor:
@@ -425,11 +491,12 @@ def _full_moe(seed, hidden_size, ffn_hidden_size, n_experts, top_k, drop_policy)
     return moe
 
 
-def ep_parity_rank(ctx, *, n_tokens: int = 40, hidden_size: int = 16, ffn_hidden_size: int = 24,
+def ep_parity_rank(ctx, *, n_tokens: int | None = None, hidden_size: int = 16, ffn_hidden_size: int = 24,
                    n_experts: int | None = None, top_k: int = 2, placements=PLACEMENTS,
                    capacity_factors=(None, 0.5), drop_policy: str = "position", seed: int = 0) -> list[dict]:
     """Rank function: :class:`ExpertParallelMoE` (ep = world_size) vs the single-process :class:`MoE`, output
     and gradients, for every placement of tokens on ranks (:func:`placement`) and capacity factor.
+    ``n_tokens`` (all ranks together) defaults to :func:`parity_tokens`, enough that capacity 0.5 drops.
 
     The layer runs on a residual path, ``y = x + moe(x)``, loss = sum(y · dy) with a fixed random dy.
     Reference: the single-process MoE on the whole batch when ``capacity_factor`` is None; with a capacity, the
@@ -447,6 +514,7 @@ def ep_parity_rank(ctx, *, n_tokens: int = 40, hidden_size: int = 16, ffn_hidden
     tol = TOLERANCES[torch.float32]
     n_experts = n_experts or 2 * ctx.world_size
     check_expert_parallel(n_experts, ep=ctx.world_size, top_k=top_k, drop_policy=drop_policy)
+    n_tokens = parity_tokens(ctx.world_size, n_experts, top_k) if n_tokens is None else n_tokens
     full = _full_moe(seed, hidden_size, ffn_hidden_size, n_experts, top_k, drop_policy).to(ctx.device)
     ep_moe = ExpertParallelMoE(full)
     g = torch.Generator().manual_seed(seed + 1)
@@ -587,18 +655,24 @@ def sweep_table(result, *, tokens_per_rank: int, n_experts: int, top_k: int):
 
 
 def a2a_bytes_table(result):
-    """Per rank, bytes of the dispatch all-to-all: ``local_input_bytes`` (S, rows this rank sends, itself
-    included), ``ring_share_bytes`` = S·(n−1)/n (what a uniform all-to-all sends off-rank: nccl-tests' factor),
-    and ``measured_offrank_bytes`` (rows that really went to other ranks). Same for combine."""
+    """Per rank, bytes of the dispatch all-to-all of one :func:`ep_profile_rank` forward, each column labelled:
+
+    * ``measured_input_bytes`` — S, the rows this rank hands to the dispatch all-to-all (itself included),
+      counted from the routing;
+    * ``predicted_offrank_bytes`` — S·(n−1)/n, what a *uniform* all-to-all sends to other ranks (the share
+      nccl-tests' busbw factor assumes; doc/PERFORMANCE.md): a prediction, not a measurement;
+    * ``measured_offrank_bytes`` — rows that really went to other ranks × H × element size;
+    * ``measured_combine_offrank_bytes`` — the same for the combine all-to-all (rows received back).
+    """
     import pandas as pd
 
     rows = []
     for r in result:
         s, n = r["stats"], len(r["stats"]["send_rows"])
-        rows.append({"rank": r["rank"], "local_input_bytes": s["dispatch_total_bytes"],
-                     "ring_share_bytes": s["dispatch_total_bytes"] * (n - 1) / n,
+        rows.append({"rank": r["rank"], "measured_input_bytes": s["dispatch_total_bytes"],
+                     "predicted_offrank_bytes": s["dispatch_total_bytes"] * (n - 1) / n,
                      "measured_offrank_bytes": s["dispatch_bytes"],
-                     "combine_offrank_bytes": s["combine_bytes"]})
+                     "measured_combine_offrank_bytes": s["combine_bytes"]})
     return pd.DataFrame(rows)
 
 
@@ -610,26 +684,25 @@ def dense_vs_moe(spec_name: str = "lab-tiny-moe", *, batch: int = 4, seq_len: in
     ``params_measured`` (counted in the built module), ``param_bytes`` (fp32, measured),
     ``active_params_predicted`` (:meth:`ModelSpec.n_active_params`), ``flops_per_token_predicted``
     (forward, :func:`labkit.models.flops_per_token`), ``forward_ms_measured`` (median of ``repeats``
-    forward passes of [batch, seq_len] tokens on one torch thread, after one warm-up)."""
+    forward passes of [batch, seq_len] tokens on one torch thread, after one warm-up).
+
+    Raises ValueError for an unknown preset or a dense one (:func:`moe_spec`)."""
     import statistics
     import time
 
     import pandas as pd
 
     from labkit.models import build_model, flops_per_token
-    from labkit.spec import get_spec
 
-    moe_spec = get_spec(spec_name)
-    if not moe_spec.is_moe:
-        raise ValueError(f"spec {spec_name!r} has n_experts=0; choose an MoE preset such as 'lab-tiny-moe'")
-    dense = moe_spec.replace(name=f"{spec_name}-dense-active", n_experts=0, top_k=0,
-                             ffn_hidden_size=moe_spec.top_k * moe_spec.expert_ffn_hidden_size)
-    tokens = torch.randint(moe_spec.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+    spec_moe = moe_spec(spec_name)
+    dense = spec_moe.replace(name=f"{spec_name}-dense-active", n_experts=0, top_k=0,
+                             ffn_hidden_size=spec_moe.top_k * spec_moe.expert_ffn_hidden_size)
+    tokens = torch.randint(spec_moe.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: comparable numbers on a shared machine (several threads can thrash)
     try:
-        for label, spec in (("dense-active", dense), ("moe", moe_spec)):
+        for label, spec in (("dense-active", dense), ("moe", spec_moe)):
             model = build_model(spec, seed).eval()
             times = []
             with torch.no_grad():
