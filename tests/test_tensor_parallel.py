@@ -168,6 +168,28 @@ def test_counted_collectives_equal_theory(checked):
     assert layer_bytes("sp") > layer_bytes("tp")
 
 
+def test_socket_bytes_measured_beside_the_ring_model(checked):
+    """One training step per variant: the logged calls' ring model equals the prediction, and what gloo wrote
+    to its sockets is measured beside it, in its own column. It is not the ring model: for SP, gloo's
+    reduce-scatter runs a whole all-reduce, and every message carries a header (TP's messages are small)."""
+    import math
+
+    from labkit.collectives import socket_bytes_written
+
+    rows = {r["variant"]: r for r in tp.step_bytes_table(checked)}
+    assert set(rows) == {"TP", "TP+SP", "TP+SP (no re-gather)"}
+    for v, r in rows.items():
+        assert r["ring bytes (model: S x factor)"] == pytest.approx(r["ring bytes (predicted: comm_theory_model)"]), v
+    assert rows["TP+SP"]["gloo model"] > rows["TP+SP"]["ring bytes (model: S x factor)"]
+    table = tp.comm_vs_theory(checked["comm"]["tp"], [])
+    assert "bytes_per_rank_model" in table[0] and "bytes_per_rank_measured" not in table[0]
+    if socket_bytes_written() is None:
+        assert all(math.isnan(r["socket bytes written (measured: gloo)"]) for r in rows.values())
+        return
+    for v, r in rows.items():
+        assert 1.0 <= r["measured / gloo model"] <= 1.3, (v, r)
+
+
 def test_column_column_needs_extra_all_gather(checked):
     spec = get_spec(checked["spec"])
     recs = checked["comm_pair"]

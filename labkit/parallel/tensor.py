@@ -1239,10 +1239,11 @@ def comm_table(records) -> list[dict]:
 
 
 def comm_vs_theory(records, theory: list[dict]) -> list[dict]:
-    """Measured collectives (CommLog records) beside predicted ones (theory rows), one row per
-    (where, phase, op): ``calls_measured``, ``calls_predicted``, ``nbytes_measured``, ``nbytes_predicted``
-    (S per call, or the sorted list when calls differ), ``bytes_per_rank_measured``,
-    ``bytes_per_rank_predicted``, ``match`` (calls and sizes equal)."""
+    """Logged collectives (CommLog records: measured, what the code issued) beside predicted ones (theory
+    rows), one row per (where, phase, op): ``calls_measured``, ``calls_predicted``, ``nbytes_measured``,
+    ``nbytes_predicted`` (S per call, or the sorted list when calls differ), ``bytes_per_rank_model`` (the
+    logged S x ring factor: a model of what a ring sends for those calls, not a measurement; what the sockets
+    carried is in :func:`step_bytes_table`), ``bytes_per_rank_predicted``, ``match`` (calls and sizes equal)."""
     meas = {(r["where"], r["phase"], r["op"]): r for r in comm_table(records)}
     pred = {(r["where"], r["phase"], r["op"]): r for r in theory}
 
@@ -1258,7 +1259,7 @@ def comm_vs_theory(records, theory: list[dict]) -> list[dict]:
         rows.append({"where": key[0], "phase": key[1], "op": key[2],
                      "calls_measured": m["calls"] if m else 0, "calls_predicted": p["calls"] if p else 0,
                      "nbytes_measured": sizes(m), "nbytes_predicted": sizes(p),
-                     "bytes_per_rank_measured": m["bytes_per_rank"] if m else 0.0,
+                     "bytes_per_rank_model": m["bytes_per_rank"] if m else 0.0,
                      "bytes_per_rank_predicted": p["bytes_per_rank"] if p else 0.0,
                      "match": m is not None and p is not None and m["calls"] == p["calls"] and sizes(m) == sizes(p)})
     return rows
@@ -1470,13 +1471,21 @@ def _field_cases(ctx, spec: ModelSpec, batch_size: int, seq_len: int, seed: int,
 
 
 def count_model_collectives(ctx, spec: ModelSpec, batch_size: int, seq_len: int, *, sequence_parallel: bool,
-                            regather: bool = True, seed: int = 0, label: str = "TP", group=None) -> list[dict]:
+                            regather: bool = True, seed: int = 0, label: str = "TP", group=None,
+                            socket: dict | None = None) -> list[dict]:
     """Every collective of one TP training step (forward, loss, backward, finalize), as CommLog records
     (``op``, ``nbytes``, ``bytes_per_rank``, ``tag``=``where/phase``...). Also adds them, and the
-    ``{label} forward`` / ``{label} backward`` spans, to ``ctx.timeline``."""
+    ``{label} forward`` / ``{label} backward`` spans, to ``ctx.timeline``. With ``socket`` (a dict), stores
+    ``socket["bytes"]``: the bytes this process wrote during the step, measured
+    (:func:`labkit.collectives.socket_bytes_written`; gloo's socket sends, None on CUDA or without
+    /proc/self/io)."""
+    from labkit.collectives import socket_bytes_written
+
     tpm = apply_tp(build_model(spec, seed, device=ctx.device), group, sequence_parallel=sequence_parallel,
                    pad_vocab=True, regather=regather)
     tokens, targets = (t.to(ctx.device) for t in SyntheticLM(spec.vocab_size, seq_len, seed).batch(0, batch_size))
+    ctx.barrier()
+    before = None if ctx.device.type == "cuda" else socket_bytes_written()
     with CommLog(ctx) as log:
         tpm.commlog = log
         with ctx.timer(f"{label} forward", barrier=True):
@@ -1487,6 +1496,9 @@ def count_model_collectives(ctx, spec: ModelSpec, batch_size: int, seq_len: int,
         tpm.end_tags()
         with log.tagged("finalize/bwd"):
             finalize_grads(tpm, group)
+    after = socket_bytes_written() if before is not None else None
+    if socket is not None:
+        socket["bytes"] = None if after is None else after - before
     tpm.commlog = None
     return [{k: v for k, v in r.items() if k not in ("start_ns", "end_ns")} for r in log.records]
 
@@ -1604,6 +1616,36 @@ def _dtensor_parity(ctx, spec: ModelSpec, sp: bool, batch_size: int, seq_len: in
             _compare(f"DTensor {spec.name}: grads", grads, {k: p.grad for k, p in ref.named_parameters()}, **extra)]
 
 
+#: the training steps whose collectives tp_check_rank counts: (key, label, sequence_parallel, regather)
+COMM_RUNS = (("tp", "TP", False, True), ("sp", "TP+SP", True, True), ("sp_no_regather", "TP+SP (no re-gather)", True,
+                                                                       False))
+
+
+def step_bytes_table(check: dict) -> list[dict]:
+    """Bytes one rank sends in one training step of each :data:`COMM_RUNS` variant, from a
+    :func:`tp_check_rank` result, each number labelled with its source: ``payload S (measured: what the code
+    issued)`` (CommLog), ``ring bytes (model: S x factor)``, ``ring bytes (predicted: comm_theory_model)``,
+    ``gloo model`` (S x the factors of gloo's CPU algorithms: :data:`labkit.parallel.harness.GLOO_FACTORS`),
+    ``socket bytes written (measured: gloo)`` (NaN where not measurable) and ``measured / gloo model``."""
+    from labkit.parallel.harness import GLOO_FACTORS
+
+    spec = get_spec(check["spec"])
+    rows = []
+    for key, label, sp, regather in COMM_RUNS:
+        recs = check["comm"][key]
+        theory = comm_theory_model(spec, check["batch_size"], check["seq_len"], check["tp"], sequence_parallel=sp,
+                                   regather=regather)
+        gloo = sum(r["nbytes"] * GLOO_FACTORS[r["op"]](r["group_size"]) for r in recs)
+        sock = check.get("socket_bytes", {}).get(key)
+        sock = float("nan") if sock is None else float(sock)
+        rows.append({"variant": label, "payload S (measured: what the code issued)": sum(r["nbytes"] for r in recs),
+                     "ring bytes (model: S x factor)": sum(r["bytes_per_rank"] for r in recs),
+                     "ring bytes (predicted: comm_theory_model)": sum(r["bytes_per_rank"] for r in theory),
+                     "gloo model": gloo, "socket bytes written (measured: gloo)": sock,
+                     "measured / gloo model": sock / gloo if gloo else float("nan")})
+    return rows
+
+
 def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = "lab-tiny-gpt", *,
                   batch_size: int = 2, seq_len: int = 16, steps: int = 2, lr: float = 1e-3, seed: int = 0,
                   dtensor=True, activations: bool = True) -> dict:
@@ -1614,8 +1656,10 @@ def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = 
       model (Llama-style with a padded vocabulary, GPT-style with tied embeddings, each TP and TP+SP): logits,
       loss, every gradient, losses and weights over ``steps`` AdamW steps; the vocab-parallel loss with
       padding; the DTensor variant (TP and TP+SP). fp32, tolerances from ``labkit.models.TOLERANCES``.
-    * ``comm``: {"tp": records, "sp": records} of one training step of ``spec_name`` (CommLog, tagged
-      ``where/phase``), to compare with :func:`comm_theory_model`;
+    * ``comm``: {"tp": records, "sp": records, "sp_no_regather": records} of one training step of
+      ``spec_name`` (CommLog, tagged ``where/phase``), to compare with :func:`comm_theory_model`;
+      ``socket_bytes``: {same keys: bytes this rank wrote to gloo's sockets during that step (measured), or
+      None}; :func:`step_bytes_table` puts them side by side;
     * ``comm_pair``: records of column->row and column->column MLPs;
     * ``field``: the reproduced field cases (:func:`_field_cases`);
     * ``activations``: saved-activation bytes per rank (:func:`activation_bytes`).
@@ -1675,10 +1719,12 @@ def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = 
         parity += _dtensor_parity(ctx, spec, sp, batch_size, seq_len, seed)
     lap("DTensor")
     out["parity"] = parity
-    out["comm"] = {key: count_model_collectives(ctx, spec, batch_size, seq_len, sequence_parallel=sp,
-                                                regather=regather, seed=seed, label=label)
-                   for key, label, sp, regather in (("tp", "TP", False, True), ("sp", "TP+SP", True, True),
-                                                    ("sp_no_regather", "TP+SP (no re-gather)", True, False))}
+    out["comm"], out["socket_bytes"] = {}, {}
+    for key, label, sp, regather in COMM_RUNS:
+        sock: dict = {}
+        out["comm"][key] = count_model_collectives(ctx, spec, batch_size, seq_len, sequence_parallel=sp,
+                                                   regather=regather, seed=seed, label=label, socket=sock)
+        out["socket_bytes"][key] = sock["bytes"]
     out["comm_pair"] = (count_mlp_pair_collectives(ctx, "column-row", batch_size * seq_len, h, spec.ffn_hidden_size)
                         + count_mlp_pair_collectives(ctx, "column-column", batch_size * seq_len, h,
                                                      spec.ffn_hidden_size))
