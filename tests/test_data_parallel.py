@@ -212,6 +212,16 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch():
     assert ok["local_batch_size"] == 2 and ok["n_microbatches"] == 2
 
 
+def test_chapter_rank_passes_the_users_values_down(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(data, "run_rank", lambda ctx, runs=None, **kw: seen.setdefault("runs", kw))
+    monkeypatch.setattr(data, "accumulation_demo_rank", lambda ctx: {})
+    monkeypatch.setattr(data, "scaling_rank", lambda ctx, sizes, **kw: seen.setdefault("scaling", (sizes, kw)))
+    data.chapter_rank(None, model="lab-tiny-gpt", seq_len=16, seed=2, global_batch_size=6, scaling_batch_sizes=(1, 2))
+    assert seen["runs"] == {"model": "lab-tiny-gpt", "seq_len": 16, "seed": 2, "global_batch_size": 6}
+    assert seen["scaling"] == ((1, 2), {"steps": 2, "model": "lab-tiny-gpt", "seq_len": 16, "seed": 2})
+
+
 def test_check_fits_in_memory(monkeypatch):
     monkeypatch.setattr(harness, "_available_memory_bytes", lambda: 8 * 10**9)
     harness.check_fits_in_memory("lab-tiny-llama", 4)

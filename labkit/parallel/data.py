@@ -472,11 +472,12 @@ def chapter_rank(ctx, runs: list[dict] | None = None, *, scaling_batch_sizes=(1,
                  **kwargs) -> dict:
     """Rank function for chapter 03, so one launch does all of it: the training variants (:func:`run_rank`
     with ``runs`` and ``kwargs``), the hand-checkable accumulation demo (:func:`accumulation_demo_rank`) and
-    the local-batch sweep (:func:`scaling_rank`; skipped when ``scaling_batch_sizes`` is empty).
+    the local-batch sweep (:func:`scaling_rank`, with the training runs' ``model``, ``seq_len`` and ``seed``;
+    skipped when ``scaling_batch_sizes`` is empty).
     Returns {"runs": [...], "demo": {...}, "scaling": [...]}; :func:`harness.summarize` and
     :func:`harness.exposure_table` accept the LaunchResult directly."""
     out = {"runs": run_rank(ctx, runs, **kwargs), "demo": accumulation_demo_rank(ctx)}
-    seq_len = kwargs.get("seq_len", 64)
-    out["scaling"] = (scaling_rank(ctx, scaling_batch_sizes, model=kwargs.get("model", "lab-tiny-llama"),
-                                   seq_len=seq_len, steps=scaling_steps) if scaling_batch_sizes else [])
+    same = {k: kwargs[k] for k in ("model", "seq_len", "seed") if k in kwargs}  # the training runs' own values
+    out["scaling"] = (scaling_rank(ctx, scaling_batch_sizes, steps=scaling_steps, **same)
+                      if scaling_batch_sizes else [])
     return out
