@@ -111,7 +111,8 @@ class Schedule:
 # --------------------------------------------------------------------------------------------------
 def min_microbatches(name: str, p: int) -> int:
     """The fewest micro-batches ``name`` runs with on ``p`` ranks: 1 for GPipe, ``p`` for the 1F1B family
-    (whose warm-up holds up to p micro-batches in flight; torch's Schedule1F1B refuses fewer too)."""
+    (whose warm-up holds up to p micro-batches in flight; torch's Schedule1F1B refuses fewer too).
+    Raises ValueError for an unknown schedule."""
     check_choice("schedule", name, SCHEDULES)
     return 1 if name == "gpipe" else p
 
@@ -478,7 +479,7 @@ def bubble_table(p: int, m: int, v: int = 2, costs: OpCosts | None = None) -> li
     """For each schedule: formula (both conventions, with its source) beside the simulator, as rows
     (``schedule, p, m, v, formula_fraction, formula_ratio, simulated_fraction, source``) for a DataFrame.
     ``costs`` (uniform values) feed both the ZB-H1 formula and the simulator; default F = B = W = 1.
-    Schedules that cannot run at (p, m, v) are skipped."""
+    Schedules that cannot run at (p, m, v) are skipped. Raises ValueError for bad costs."""
     costs = OpCosts() if costs is None else costs
     uniform = all(isinstance(x, (int, float)) for x in (costs.f, costs.b, costs.w))
     rows = []

@@ -93,15 +93,17 @@ def test_wrong_sync_microbatch_is_caught(launched, reference):
 
 
 def test_comm_bytes_equal_ring_allreduce_theory(launched):
-    """Every variant all-reduces exactly 2(n-1)/n · Ψ · 4 bytes per rank per step (accumulation: once per
-    step, thanks to no_sync); the timeline's comm events carry the same bytes."""
+    """Every variant hands Ψ · 4 bytes per step to all_reduce (measured payload; accumulation: once per step,
+    thanks to no_sync), whose ring model is 2(n-1)/n · Ψ · 4 per rank; the timeline's comm events carry the
+    same bytes."""
     n, res = launched
     psi = get_spec(MODEL).n_params()
     expected = data.predicted_allreduce_bytes(psi, n)
     for label, per_rank in _by_label(res).items():
         r0 = per_rank[0]
         assert set(r0["comm"]) == {"all_reduce"}, label
-        assert r0["comm_bytes_per_step"] == pytest.approx(expected, rel=1e-12), label
+        assert r0["payload_bytes_per_step"] == psi * 4, label
+        assert r0["ring_bytes_per_step"] == pytest.approx(expected, rel=1e-12), label
         events = harness.window(res.timeline, r0["window_ns"])
         comm = events[(events["kind"] == "comm") & (events["rank"] == 0)]
         assert comm["nbytes"].sum() == psi * 4 * STEPS, label
@@ -109,6 +111,28 @@ def test_comm_bytes_equal_ring_allreduce_theory(launched):
     n_tensors = len(list(build_model(MODEL).parameters()))
     assert _by_label(res)["naive"][0]["comm"]["all_reduce"]["calls"] == pytest.approx(n_tensors)
     assert 1 < _by_label(res)["bucket"][0]["comm"]["all_reduce"]["calls"] < n_tensors
+
+
+def test_socket_bytes_are_measured_not_modelled(launched):
+    """The bytes gloo actually wrote to its sockets (/proc/self/io, over the timed steps) sit beside the ring
+    model, in their own column: a real measurement, at least the ring's bytes (gloo's CPU all-reduce is a
+    ring) plus headers, and not the model itself (a value folded from the model would be exactly equal)."""
+    from labkit.collectives import socket_bytes_written
+
+    n, res = launched
+    if socket_bytes_written() is None:
+        pytest.skip("no /proc/self/io on this platform")
+    table = harness.summarize(res).set_index("label")
+    wire = harness.wire_table(res).set_index("label")
+    for label, per_rank in _by_label(res).items():
+        for r in per_rank:
+            sock, ring = r["socket_bytes_per_step"], r["ring_bytes_per_step"]
+            assert ring <= sock < 1.1 * ring, (label, sock, ring)
+        sock0 = per_rank[0]["socket_bytes_per_step"]
+        assert table.loc[label, harness.SOCKET] == sock0 != table.loc[label, harness.RING]
+        assert 1.0 <= wire.loc[label, "measured / gloo model"] < 1.1, label
+    assert {harness.PAYLOAD, harness.RING, harness.SOCKET} <= set(table.columns)
+    assert "comm_bytes_per_step" not in table.columns  # the old name mixed a model into a "measured" column
 
 
 def test_accumulation_demo_reproduces_4_vs_7(launched):
@@ -162,3 +186,131 @@ def test_carve_removes_blocking_intervals():
     assert harness._carve(spans, [(10, 20), (50, 120)]) == [("B", 0, 10, {}), ("B", 20, 50, {})]
     assert harness._carve(spans, []) == spans
 
+
+
+def test_check_chapter_refuses_bad_parameters_before_any_launch():
+    """Chapter 03's parameters are all checked in one call before anything starts, each error naming the
+    value and the fix (the field reports: world_size=1 failing late with a misleading assertion, dp=3 and
+    steps=0 arriving from inside the ranks, world_size=8 leaving one sequence per rank for 2 micro-batches)."""
+    with pytest.raises(ValueError, match=r"chapter 03 needs world_size >= 2, got world_size=1"):
+        data.check_chapter(world_size=1)
+    with pytest.raises(ValueError, match=r"world_size=3 does not divide global_batch_size=8.* 6 \(e.g. 6 or 12\)"):
+        data.check_chapter(world_size=3)
+    with pytest.raises(ValueError, match=r"n_microbatches=2 does not divide local_batch_size=1.*8 / 8"):
+        data.check_chapter(world_size=8)
+    with pytest.raises(ValueError, match=r"steps=0"):
+        data.check_chapter(world_size=2, steps=0)
+    with pytest.raises(ValueError, match=r"n_microbatches=1: .*>= 2"):
+        data.check_chapter(world_size=2, n_microbatches=1)
+    with pytest.raises(ValueError, match=r"seq_len=999 exceeds"):
+        data.check_chapter(world_size=2, seq_len=999)
+    with pytest.raises(ValueError, match=r"scaling_batch_sizes=\(\) is empty"):
+        data.check_chapter(world_size=2, scaling_batch_sizes=())
+    with pytest.raises(ValueError, match=r"unknown model preset 'nope'"):
+        data.check_chapter(world_size=2, model="nope")
+    ok = data.check_chapter(world_size=3, global_batch_size=6)
+    assert ok["local_batch_size"] == 2 and ok["n_microbatches"] == 2
+
+
+def test_chapter_rank_passes_the_users_values_down(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(data, "run_rank", lambda ctx, runs=None, **kw: seen.setdefault("runs", kw))
+    monkeypatch.setattr(data, "accumulation_demo_rank", lambda ctx: {})
+    monkeypatch.setattr(data, "scaling_rank", lambda ctx, sizes, **kw: seen.setdefault("scaling", (sizes, kw)))
+    data.chapter_rank(None, model="lab-tiny-gpt", seq_len=16, seed=2, global_batch_size=6, scaling_batch_sizes=(1, 2))
+    assert seen["runs"] == {"model": "lab-tiny-gpt", "seq_len": 16, "seed": 2, "global_batch_size": 6}
+    assert seen["scaling"] == ((1, 2), {"steps": 2, "model": "lab-tiny-gpt", "seq_len": 16, "seed": 2})
+
+
+def test_check_fits_in_memory(monkeypatch):
+    monkeypatch.setattr(harness, "_available_memory_bytes", lambda: 8 * 10**9)
+    harness.check_fits_in_memory("lab-tiny-llama", 4)
+    with pytest.raises(ValueError, match=r"model='llama-3-8b' .* choose a CPU-sized preset"):
+        harness.check_fits_in_memory("llama-3-8b", 2)
+    monkeypatch.setattr(harness, "_available_memory_bytes", lambda: None)  # not Linux: no check
+    harness.check_fits_in_memory("llama-3-8b", 2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the chapters this engineer owns (03-06): parameters, validation first, exercises
+# ------------------------------------------------------------------------------------------------------
+CHAPTERS = {"03_data_parallel": "data.check_chapter(", "04_zero_fsdp": "zero.check_chapter(",
+            "05_tensor_parallel": "tp.check_chapter(", "06_pipeline_parallel": "pl.check_chapter("}
+
+
+@pytest.mark.parametrize("name", sorted(CHAPTERS))
+def test_chapter_parameters_parsed_and_checked_before_anything(name):
+    """Every name in the parameters cell is one papermill can override (no '=' in a trailing comment hides a
+    line), and the first code cell after it passes every one of them to the chapter's check function, before
+    any launch; the exercise's self-check goes through harness.check_exercise (no answer when not attempted)."""
+    import ast
+    from pathlib import Path
+
+    import nbformat
+
+    from labkit import notebooks
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / f"{name}.ipynb"
+    nb = nbformat.read(path, 4)
+    i = next(k for k, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    names = [t.id for stmt in ast.parse(nb.cells[i].source).body for t in stmt.targets]
+    assert names == list(notebooks.declared_parameters(path)), "papermill must see every parameter"
+    first = next(c for c in nb.cells[i + 1:] if c.cell_type == "code")
+    assert CHAPTERS[name] in first.source
+    call = next(n for n in ast.walk(ast.parse(first.source)) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) + "(" == CHAPTERS[name])
+    passed = {k.arg for k in call.keywords if isinstance(k.value, ast.Name) and k.value.id == k.arg}
+    assert set(names) <= passed, f"not validated before the launch: {set(names) - passed}"
+    checks = [c.source for c in nb.cells if c.cell_type == "code" and "answer" in c.source and "None" not in c.source
+              or "check_exercise" in c.source]
+    assert checks and all("harness.check_exercise(" in c for c in checks)
+    assert not any("reference answer" in c.source or "Reference:" in c.source for c in nb.cells)
+
+
+def test_check_exercise_never_shows_the_answer(capsys):
+    harness.check_exercise(None, 1_523_648, hint="count the all-reduces", wrong="no")
+    out = capsys.readouterr().out
+    assert out.startswith("not attempted yet") and "count the all-reduces" in out
+    assert "1523648" not in out.replace(",", "") and "1.52" not in out
+    with pytest.raises(AssertionError) as e:
+        harness.check_exercise(1_000_000, 1_523_648, hint="h", wrong="think about no_sync")
+    assert "think about no_sync" in str(e.value) and "1523648" not in str(e.value).replace(",", "")
+    harness.check_exercise(1_523_648.0000001, 1_523_648, hint="h", wrong="w")
+    assert capsys.readouterr().out.strip() == "correct"
+
+
+def test_ratio_verdict_prints_spread_and_misses():
+    line, met = harness.ratio_verdict("ratio a/b", [1.2, 0.9, 1.05], 1.0, higher_is_better=False)
+    assert not met and "= 1.050" in line and "0.900 to 1.200" in line and "NOT met" in line
+    line, met = harness.ratio_verdict("ratio a/b", [0.97, 0.99], 0.95, higher_is_better=True)
+    assert met and line.endswith("met") and "0.970 to 0.990" in line
+    with pytest.raises(ValueError, match="finite"):
+        harness.ratio_verdict("r", [], 1.0, higher_is_better=True)
+
+
+def _load_benchmark(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dp_benchmark_exits_nonzero_when_a_goal_is_missed(monkeypatch, capsys):
+    bench = _load_benchmark("dp_vs_torch")
+
+    class Fake(list):
+        backend = "gloo"
+
+    slow = {"bucket": [80.0, 90.0, 85.0], "ddp": [100.0] * 3, "zero3": [95.0] * 3, "fsdp2": [100.0] * 3}
+    monkeypatch.setattr(bench, "launch", lambda *a, **k: Fake([slow, slow]))
+    assert bench.main([]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "bucket/ddp" in out[-2] and "0.800 to 0.900" in out[-2] and "NOT met" in out[-2]
+    assert "zero3/fsdp2" in out[-1] and out[-1].endswith("met")
+    fast = dict(slow, bucket=[99.0, 100.0, 101.0])
+    monkeypatch.setattr(bench, "launch", lambda *a, **k: Fake([fast, fast]))
+    assert bench.main([]) == 0

@@ -82,6 +82,63 @@ def test_hand_runner_refused_on_nccl(no_launch, monkeypatch):
         pl.run_pipeline("1f1b", 2, 4, backend="nccl")
 
 
+def test_check_chapter_refuses_bad_parameters_before_any_launch(no_launch):
+    """Chapter 06's parameters, all checked in its first cell (field case: global_batch_size=6 failed in cell
+    12 after 16 s of fixed-compute runs)."""
+    with pytest.raises(ValueError, match=r"chapter 06 needs world_size >= 2, got world_size=1"):
+        pl.check_chapter(world_size=1)
+    with pytest.raises(ValueError, match=r"n_microbatches=4 does not divide global_batch_size=6"):
+        pl.check_chapter(world_size=2, global_batch_size=6)
+    with pytest.raises(ValueError, match=r"n_microbatches=3 is not a multiple of pp=2"):
+        pl.check_chapter(world_size=2, n_microbatches=3)
+    with pytest.raises(ValueError, match=r"sweep\[1\]=0"):
+        pl.check_chapter(world_size=2, sweep=[1, 0])
+    with pytest.raises(ValueError, match=r"sweep=\[\] is empty"):
+        pl.check_chapter(world_size=2, sweep=[])
+    with pytest.raises(ValueError, match=r"op_ms=0"):
+        pl.check_chapter(world_size=2, op_ms=0)
+    with pytest.raises(ValueError, match=r"bubble_tol=1.5 must be below 1"):
+        pl.check_chapter(world_size=2, bubble_tol=1.5)
+    with pytest.raises(ValueError, match=r"mixture-of-experts"):
+        pl.check_chapter(world_size=2, spec_name="lab-tiny-moe")
+    with pytest.raises(ValueError, match=r"seq_len=4096 exceeds"):
+        pl.check_chapter(world_size=2, seq_len=4096)
+    plan = pl.check_chapter(world_size=3, sweep=[1, 2])
+    assert (plan["pp"], plan["n_microbatches"], plan["global_batch_size"]) == (3, 6, 12)
+    assert plan["sweep_microbatches"] == [3, 6] and plan["spec"].n_layers == 6
+    assert pl.check_chapter(world_size=2, n_microbatches=8, global_batch_size=16)["sweep_microbatches"] == [2, 4, 8]
+
+
+def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
+    """benchmarks/pp_vs_torch.py: the per-round ratio with its spread printed last; exit 1 when missed (the field
+    report: ratio 1.009 against a goal of <= 1.0 exited 0)."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "pp_vs_torch.py"
+    spec = importlib.util.spec_from_file_location("bench_pp", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def fake(ours, theirs):
+        def run(jobs, pp, **kw):
+            out = []
+            for i, job in enumerate(jobs):
+                t = (ours if job["impl"] == "labkit" else theirs)[i // 2]
+                steps = {"step_s": [t, t * 1.01], "bubble_fraction": [0.1, 0.1]}
+                out.append(types.SimpleNamespace(job=job, steps=steps))
+            return out
+        return run
+
+    monkeypatch.setattr(bench.pl, "run_pipelines", fake([0.101, 0.104, 0.099], [0.1, 0.1, 0.1]))
+    assert bench.main(["--rounds", "3"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "= 1.010" in last and "0.990 to 1.040" in last and last.endswith("NOT met")
+    monkeypatch.setattr(bench.pl, "run_pipelines", fake([0.09, 0.095, 0.1], [0.1, 0.1, 0.1]))
+    assert bench.main(["--rounds", "3"]) == 0
+
+
 def test_stage_layer_counts():
     assert pl.stage_layer_counts(8, 4) == (2, 2, 2, 2)
     assert pl.stage_layer_counts(8, 2, (5, 3)) == (5, 3)

@@ -57,6 +57,38 @@ def test_other_refusals():
         tp.check_tp("lab-tiny-gpt", 2, dtensor=True)
 
 
+def test_check_chapter_validates_and_decides_dtensor_variants():
+    """Chapter 05's parameters are checked before any launch, and one function knows every DTensor limit:
+    variants the model cannot run are skipped with the reason instead of failing inside the ranks (field
+    case: model=lab-tiny-gpt, tied embeddings, raised RankFailed)."""
+    with pytest.raises(ValueError, match=r"chapter 05 needs world_size >= 2, got world_size=1"):
+        tp.check_chapter(world_size=1)
+    with pytest.raises(ValueError, match=r"world_size=3 is the tp degree in chapter 05: tp=3 does not divide n_heads"):
+        tp.check_chapter(world_size=3)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide seq_len=15"):
+        tp.check_chapter(world_size=2, seq_len=15)
+    with pytest.raises(ValueError, match=r"mixture-of-experts"):
+        tp.check_chapter(world_size=2, model="lab-tiny-moe")
+    with pytest.raises(ValueError, match=r"gelu_model='lab-tiny-llama' must be a GELU model with biases"):
+        tp.check_chapter(world_size=2, gelu_model="lab-tiny-llama")
+    with pytest.raises(ValueError, match=r"time_steps=0"):
+        tp.check_chapter(world_size=2, time_steps=0)
+    with pytest.raises(ValueError, match=r"time_seq_len=4096 exceeds"):
+        tp.check_chapter(world_size=2, time_seq_len=4096)
+    ok = tp.check_chapter(world_size=2)
+    assert ok["dtensor_parity"] == (False, True) and "dtensor" in ok["time_variants"] and not ok["skipped"]
+    gpt = tp.check_chapter(world_size=2, model="lab-tiny-gpt")
+    assert gpt["dtensor_parity"] == () and "dtensor" not in gpt["time_variants"]
+    assert set(gpt["skipped"]) == {"DTensor parity, TP", "DTensor parity, TP+SP", "DTensor step time"}
+    assert all("tied embeddings" in why for why in gpt["skipped"].values())
+    four = tp.check_chapter(world_size=4)  # 2 kv heads: DTensor cannot replicate them in the step-time model
+    assert four["dtensor_parity"] == (False, True) and "dtensor" not in four["time_variants"]
+    assert "n_kv_heads=2" in four["skipped"]["DTensor step time"]
+    # the other limit check_chapter relies on: SP with learned positions (an untied GPT)
+    with pytest.raises(ValueError, match="RoPE models only"):
+        tp.check_tp(get_spec("lab-tiny-gpt").replace(tied_embeddings=False), 2, sequence_parallel=True, dtensor=True)
+
+
 def test_pad_vocab_size():
     assert tp.pad_vocab_size(255, 2) == 256
     assert tp.pad_vocab_size(256, 4) == 256
@@ -136,6 +168,28 @@ def test_counted_collectives_equal_theory(checked):
     assert layer_bytes("sp") > layer_bytes("tp")
 
 
+def test_socket_bytes_measured_beside_the_ring_model(checked):
+    """One training step per variant: the logged calls' ring model equals the prediction, and what gloo wrote
+    to its sockets is measured beside it, in its own column. It is not the ring model: for SP, gloo's
+    reduce-scatter runs a whole all-reduce, and every message carries a header (TP's messages are small)."""
+    import math
+
+    from labkit.collectives import socket_bytes_written
+
+    rows = {r["variant"]: r for r in tp.step_bytes_table(checked)}
+    assert set(rows) == {"TP", "TP+SP", "TP+SP (no re-gather)"}
+    for v, r in rows.items():
+        assert r["ring bytes (model: S x factor)"] == pytest.approx(r["ring bytes (predicted: comm_theory_model)"]), v
+    assert rows["TP+SP"]["gloo model"] > rows["TP+SP"]["ring bytes (model: S x factor)"]
+    table = tp.comm_vs_theory(checked["comm"]["tp"], [])
+    assert "bytes_per_rank_model" in table[0] and "bytes_per_rank_measured" not in table[0]
+    if socket_bytes_written() is None:
+        assert all(math.isnan(r["socket bytes written (measured: gloo)"]) for r in rows.values())
+        return
+    for v, r in rows.items():
+        assert 1.0 <= r["measured / gloo model"] <= 1.3, (v, r)
+
+
 def test_column_column_needs_extra_all_gather(checked):
     spec = get_spec(checked["spec"])
     recs = checked["comm_pair"]
@@ -172,12 +226,15 @@ def test_sequence_parallel_activation_memory(checked):
     assert a["TP+SP"] < a["TP+SP, no re-gather"] < a["TP"] < full
     # per layer, labkit.memory's item-by-item prediction (exact at tp=2; at tp=4 one head per rank makes the
     # wo input a view of the attention output, which labkit.memory counts as a copy: 2.5 % here)
+    # Every variant has a prediction, "TP+SP, no re-gather" included (it stores the gathered linear inputs).
     rows = tp.activation_vs_theory(checked["activations"], checked["spec"], checked["batch_size"], checked["seq_len"])
+    assert {r["variant"] for r in rows} == {"tp=1 (unsharded)", "TP", "TP+SP", "TP+SP, no re-gather"}
     for r in rows:
-        if r["per_layer_predicted"] is not None:
-            assert r["per_layer_measured"] == pytest.approx(r["per_layer_predicted"], rel=0.05), r
-            if n == 2:
-                assert r["per_layer_measured"] == r["per_layer_predicted"], r
+        assert r["per_layer_predicted"] is not None and r["total_predicted"] is not None, r
+        assert r["per_layer_measured"] == pytest.approx(r["per_layer_predicted"], rel=0.05), r
+        assert r["total_measured"] == pytest.approx(r["total_predicted"], rel=0.05), r
+        if n == 2:
+            assert r["per_layer_measured"] == r["per_layer_predicted"], r
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -227,6 +284,32 @@ def test_benchmark_prints_ratio_last():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tp_vs_dtensor.py"), "--model", "lab-tiny-llama",
                           "--seq-len", "32", "--steps", "2", "--warmup", "1"], capture_output=True, text=True,
                          env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
+    # exit 0 when the goal is met, 1 when it is missed (a timing on a shared machine): either way, ratio last
+    assert out.returncode in (0, 1), out.stderr
     last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("hand/DTensor step-time ratio") and float(last.split(":")[1].split()[0]) > 0
+    assert last.startswith("hand/DTensor step-time ratio") and float(last.split("= ")[1].split()[0]) > 0
+    assert (out.returncode == 1) == last.endswith("NOT met") and "spread" in last
+
+
+def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
+    import importlib.util
+
+    import labkit
+
+    spec = importlib.util.spec_from_file_location("bench_tp", ROOT / "benchmarks" / "tp_vs_dtensor.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Fake(list):
+        backend = "gloo"
+
+    def fake(hand, dtensor):
+        return lambda *a, **k: Fake([{"threads": 1, "step_s": {"hand": hand, "dtensor": dtensor},
+                                      "losses": {"hand": [1.0, 0.9], "dtensor": [1.0, 0.9]}}])
+
+    monkeypatch.setattr(labkit, "launch", fake([0.12, 0.10, 0.11], [0.10, 0.10, 0.10]))
+    assert bench.main(["--steps", "3"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "= 1.100" in last and "1.000 to 1.200" in last and last.endswith("NOT met")
+    monkeypatch.setattr(labkit, "launch", fake([0.09, 0.10, 0.095], [0.10, 0.10, 0.10]))
+    assert bench.main(["--steps", "3"]) == 0

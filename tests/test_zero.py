@@ -125,10 +125,27 @@ def test_comm_bytes_equal_theory(launched):
         got = {op: c["bytes_per_rank"] for op, c in r0["comm"].items()}
         assert got == pytest.approx(pred, rel=1e-9), label
     by = _by_label(res)
-    ratio = by["zero3"][0]["comm_bytes_per_step"] / by["ddp"][0]["comm_bytes_per_step"]
+    ratio = by["zero3"][0]["ring_bytes_per_step"] / by["ddp"][0]["ring_bytes_per_step"]
     assert ratio == pytest.approx((3 * psi - root) / (2 * psi))
     assert 1.0 < ratio < 1.5
-    assert by["fsdp2"][0]["comm_bytes_per_step"] == pytest.approx(by["zero3"][0]["comm_bytes_per_step"])
+    assert by["fsdp2"][0]["ring_bytes_per_step"] == pytest.approx(by["zero3"][0]["ring_bytes_per_step"])
+    table = zero.comm_table(res, MODEL)
+    assert (table[zero.RING] - table[zero.PREDICTED]).abs().max() <= 1e-9 * table[zero.PREDICTED].max()
+
+
+def test_socket_bytes_follow_gloos_algorithms(launched):
+    """Measured socket bytes (gloo) sit beside the ring model and do NOT equal it for ZeRO: gloo's
+    reduce-scatter runs a whole all-reduce (chapter 02), so the measurement follows the gloo model (within
+    a few percent of headers), 1.5x the ring bytes for ZeRO-1/2."""
+    from labkit.collectives import socket_bytes_written
+
+    n, res = launched
+    if socket_bytes_written() is None:
+        pytest.skip("no /proc/self/io on this platform")
+    wire = harness.wire_table(res).set_index("label")
+    assert ((wire["measured / gloo model"] >= 1.0) & (wire["measured / gloo model"] < 1.1)).all(), wire
+    z1 = wire.loc["zero1"]
+    assert z1[harness.GLOO] == pytest.approx(1.5 * z1[harness.RING]) and z1[harness.SOCKET] > 1.4 * z1[harness.RING]
 
 
 def test_fsdp2_wrong_device_is_a_clear_error(launched):
@@ -167,6 +184,127 @@ def test_comm_formula():
     assert sum(zero.predicted_comm_bytes(3, 8, 1000).values()) == pytest.approx(1.5 * base)
     with pytest.raises(ValueError, match="stage=4"):
         zero.predicted_comm_bytes(4, 8, 1000)
+    with pytest.raises(ValueError, match="root_params=-1"):
+        zero.predicted_comm_bytes(3, 8, 1000, root_params=-1)
+    with pytest.raises(ValueError, match="root_params=2000 exceeds n_params=1000"):
+        zero.predicted_comm_bytes(3, 8, 1000, root_params=2000)
+    with pytest.raises(ValueError, match="bytes_per_element=0"):
+        zero.predicted_comm_bytes(0, 8, 1000, bytes_per_element=0)
+    assert "Raises:" in zero.predicted_comm_bytes.__doc__
+
+
+def _flat_units(model, d, rank, stage):
+    """The lab's ZeRO units of ``model`` (root first, then each layer) built without a process group."""
+    layer_params = {p for layer in model.layers for p in layer.parameters()}
+    root = [(q, p) for q, p in model.named_parameters() if p not in layer_params]
+    groups = [root] + [[(f"layers.{i}.{q}", p) for q, p in layer.named_parameters()]
+                       for i, layer in enumerate(model.layers)]
+    return [zero._Unit(f"u{i}", g, n=d, rank=rank, stage=stage) for i, g in enumerate(groups)]
+
+
+@pytest.mark.parametrize("model_name", [MODEL, "lab-tiny-gpt"])
+def test_layout_bytes_equal_the_live_layout_at_uneven_degrees(model_name):
+    """Where d does not divide the sizes the paper's Ψ/d is not what ranks hold: the lab's ZeRO pads each unit
+    to a multiple of d, FSDP2 cuts dim 0 as torch.chunk does. layout_bytes predicts both, rank by rank,
+    checked here against live tensors (labkit.measure on _Unit's flat buffers; torch.chunk for FSDP2)."""
+    from labkit.measure import model_state_bytes
+
+    d = 3
+    for stage, variant in ((1, "zero1"), (2, "zero2"), (3, "zero3")):
+        for rank in range(d):
+            model = build_model(model_name)
+            units = _flat_units(model, d, rank, stage)
+            holder = torch.nn.Module()
+            holder.model, holder.shards = model, torch.nn.ParameterList([u.shard for u in units])
+            for u in units:
+                u.zero_grad()
+            got = model_state_bytes(holder)
+            want = zero.layout_bytes(model_name, d, variant, rank)
+            assert (got["parameters"], got["gradients"]) == (want["parameters"], want["gradients"]), (variant, rank)
+            assert want["optimizer"] == 2 * 4 * sum(u.k for u in units) + 4 * len(units)
+    params = list(build_model(model_name).parameters())
+    sizes = [sum(c[r].numel() if r < len(c) else 0 for c in (torch.chunk(p, d, dim=0) for p in params))
+             for r in range(d)]
+    assert [zero.layout_bytes(model_name, d, "fsdp2", r)["parameters"] for r in range(d)] == [4 * x for x in sizes]
+    assert len(set(sizes)) > 1  # uneven: the first ranks hold a row more
+    # when d divides every size the layout is the calculator's Ψ/d
+    table = zero.predicted_table(model_name, [1, 2]).set_index(["degree", "variant"])
+    for part in ("parameters", "gradients"):
+        assert (table[part] == table[f"layout_{part}"]).all(), part
+    with pytest.raises(ValueError, match="rank=3 must be in 0..2"):
+        zero.layout_bytes(model_name, 3, "zero3", 3)
+
+
+def test_padded_params():
+    spec = get_spec(MODEL)
+    assert zero.padded_params(spec, 2, "zero3") == (spec.n_params(), zero.root_params(spec))
+    assert zero.padded_params(spec, 3, "ddp") == (spec.n_params(), zero.root_params(spec))
+    psi, root = zero.padded_params(spec, 3, "zero3")
+    assert psi % 3 == 0 and root % 3 == 0 and 0 < psi - spec.n_params() <= 2 * (spec.n_layers + 1)
+    psi_f, _ = zero.padded_params(spec, 3, "fsdp2")
+    assert psi_f > psi
+
+
+def test_chapter_rank_passes_the_users_batch_to_the_memory_runs(monkeypatch):
+    """The field case: chapter 04 at world_size=3 with global_batch_size=6 failed in the memory measurement
+    (it ran with its own default batch of 8). Every training argument now reaches both parts."""
+    seen = {}
+    monkeypatch.setattr(zero, "run_rank", lambda ctx, runs=None, **kw: seen.setdefault("runs", kw) and [])
+    monkeypatch.setattr(zero, "memory_rank", lambda ctx, degrees, variants, **kw: seen.setdefault("memory", kw))
+    zero.chapter_rank(None, model="lab-tiny-gpt", steps=1, global_batch_size=6, seq_len=16, seed=3)
+    assert seen["memory"] == {"model": "lab-tiny-gpt", "global_batch_size": 6, "seq_len": 16, "seed": 3}
+
+
+def test_check_chapter_refuses_bad_parameters_before_any_launch():
+    with pytest.raises(ValueError, match=r"chapter 04 needs world_size >= 2, got world_size=1"):
+        zero.check_chapter(world_size=1)
+    with pytest.raises(ValueError, match=r"world_size=3 does not divide global_batch_size=8.*multiple of world_size=3"):
+        zero.check_chapter(world_size=3)
+    with pytest.raises(ValueError, match=r"steps=0"):
+        zero.check_chapter(world_size=2, steps=0)
+    with pytest.raises(ValueError, match=r"seq_len=500 exceeds"):
+        zero.check_chapter(world_size=2, seq_len=500)
+    assert zero.check_chapter(world_size=3, global_batch_size=6)["local_batch_size"] == 2
+
+
+@pytest.mark.slow
+def test_three_ranks_uneven_shards_and_the_users_batch():
+    """Chapter 04's launch at world_size=3, global_batch_size=6: trains, measures memory at every degree with
+    the user's batch, and every rank's live bytes equal layout_bytes; the ring model of the logged calls
+    equals the formula with padded Ψ."""
+    res = launch(zero.chapter_rank, 3, model=MODEL, steps=1, global_batch_size=6, seq_len=SEQ, timeout_s=300)
+    for rank in range(3):
+        for row in res[rank]["memory"]:
+            want = zero.layout_bytes(MODEL, row["degree"], row["variant"], rank % row["degree"])
+            assert {k: row[k] for k in want} == want, (rank, row["degree"], row["variant"])
+    table = zero.comm_table(res, MODEL)
+    assert (table[zero.RING] - table[zero.PREDICTED]).abs().max() <= 1e-9 * table[zero.PREDICTED].max()
+
+
+MY_MODULES = ["labkit.parallel.data", "labkit.parallel.zero", "labkit.parallel.harness", "labkit.parallel.tensor",
+              "labkit.parallel.pipeline", "labkit.parallel.composed", "labkit.simulate"]
+
+
+@pytest.mark.parametrize("module", MY_MODULES)
+def test_public_functions_that_raise_say_so(module):
+    """A public function whose body validates its input (raise ValueError, or a labkit.checks helper) says
+    what it raises in its docstring (field report: zero.predicted_comm_bytes had no Raises section)."""
+    import ast
+    import importlib
+    import inspect
+    import re
+
+    mod = importlib.import_module(module)
+    src = inspect.getsource(mod)
+    validates = re.compile(r"raise ValueError|positive_int\(|positive_float\(|check_divides\(|check_choice\(|"
+                           r"check_tp\(|check_schedule_args\(|check_job\(|check_world_size\(|check_batch\(")
+    missing = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            doc = ast.get_docstring(node) or ""
+            if validates.search(ast.get_source_segment(src, node)) and not re.search(r"[Rr]ais|ValueError", doc):
+                missing.append(f"{node.name} (line {node.lineno})")
+    assert not missing, f"{module}: document the errors of {missing}"
 
 
 def test_check_fsdp_devices_without_a_group():

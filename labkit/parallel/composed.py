@@ -367,7 +367,8 @@ def predicted_model_states(spec: ModelSpec, dims: ParallelDims, stage: int, zero
 
 def compare(per_rank: list[list[dict]], spec: ModelSpec | str = "lab-tiny-llama", dtype: torch.dtype = torch.float32):
     """Parity, group, timing and memory tables (pandas) from :func:`composed_rank` results (one list per rank,
-    rank 0's ending with the reference) for model ``spec``. Uses models.TOLERANCES[dtype]."""
+    rank 0's ending with the reference) for model ``spec``. Uses models.TOLERANCES[dtype]. Raises ValueError
+    for an unknown model preset."""
     import pandas as pd
 
     from labkit.models import TOLERANCES
@@ -441,7 +442,8 @@ def run_composed(world_size: int = 4, runs=DEFAULT_RUNS, *, model: str | ModelSp
                  timeout_s: float = 300.0) -> ComposedResult:
     """Launch :func:`composed_rank` on ``world_size`` ranks (every run's degrees must multiply to it) and compare
     with the single-process reference. Validates every run first (ValueError naming the fix, before any
-    process starts). Returns a :class:`ComposedResult`."""
+    process starts). Returns a :class:`ComposedResult`. Raises ValueError for bad runs or sizes, before any
+    process starts; labkit.launcher.LaunchError when a rank fails or the launch times out."""
     from labkit.launcher import launch
 
     spec = get_spec(model) if isinstance(model, str) else model

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.checks import positive_int
+from labkit.checks import check_divides, positive_int
 from labkit.models import make_optimizer
 from labkit.parallel import harness
 
@@ -246,7 +246,8 @@ def torch_ddp(module: nn.Module, ctx=None, group=None, bucket_cap_bytes: int = D
     """``DistributedDataParallel`` around ``module`` (on its device; CPU under gloo) with
     ``bucket_cap_mb = bucket_cap_bytes / 2**20``. With ``log_comm`` a comm hook
     (:func:`logged_allreduce_hook`) makes its all-reduces visible to CommLog and the timeline; without it
-    DDP's own C++ hook runs (use that for speed comparisons)."""
+    DDP's own C++ hook runs (use that for speed comparisons). Raises ValueError for a non-positive
+    bucket_cap_bytes."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     positive_int("bucket_cap_bytes", bucket_cap_bytes)
@@ -323,7 +324,8 @@ DEMO_GRADS = ((1.0, 2.0), (3.0, 5.0))
 
 
 def demo_grads(world_size: int) -> tuple:
-    """:data:`DEMO_GRADS` for 2 ranks; for other sizes rank r gets (1 + 2r, 2 + 3r) (two micro-batches)."""
+    """:data:`DEMO_GRADS` for 2 ranks; for other sizes rank r gets (1 + 2r, 2 + 3r) (two micro-batches).
+    Raises ValueError for world_size < 1."""
     n = positive_int("world_size", world_size)
     return DEMO_GRADS if n == 2 else tuple((1.0 + 2 * r, 2.0 + 3 * r) for r in range(n))
 
@@ -379,7 +381,8 @@ def scaling_rank(ctx, local_batch_sizes=(1, 2, 4, 8), *, model: str = "lab-tiny-
 
     Returns one dict per b: ``local_batch_size``, ``compute_s``, ``dp_s``, ``comm_s`` = dp_s - compute_s (the
     communication left exposed), ``efficiency`` = compute_s / dp_s (1 = communication fully hidden or free),
-    ``tokens_per_s`` (global, data parallel), ``tokens_per_s_per_rank``.
+    ``tokens_per_s`` (global, data parallel), ``tokens_per_s_per_rank``. Raises ValueError for a non-positive
+    local batch size, steps or bucket size, an unknown variant or model.
     """
     import statistics
 
@@ -407,15 +410,74 @@ def scaling_rank(ctx, local_batch_sizes=(1, 2, 4, 8), *, model: str = "lab-tiny-
     return out
 
 
+def check_batch(world_size: int, global_batch_size, n_microbatches=1, *, dp_name: str = "dp") -> int:
+    """Validate a data-parallel batch split before any launch; returns the local batch size.
+
+    ``world_size`` (= dp) ranks each take ``global_batch_size / dp`` sequences and cut them into
+    ``n_microbatches`` equal micro-batches. Raises ValueError naming the value and valid choices when dp does
+    not divide global_batch_size or n_microbatches does not divide the local batch."""
+    n = positive_int("world_size", world_size)
+    gbs = positive_int("global_batch_size", global_batch_size)
+    m = positive_int("n_microbatches", n_microbatches)
+    unit = n * m
+    near = " or ".join(map(str, sorted({max(unit, gbs // unit * unit), -(-gbs // unit) * unit})))
+    hint = (f"or choose global_batch_size as a multiple of {dp_name} x n_microbatches = {n} x {m} = {unit} "
+            f"(e.g. {near})" if m > 1 else f"or choose global_batch_size as a multiple of {dp_name}={n} (e.g. {near})")
+    check_divides(dp_name, n, "global_batch_size", gbs, hint=hint)
+    local = gbs // n
+    check_divides("n_microbatches", m, "local_batch_size", local,
+                  hint=f"local_batch_size = global_batch_size / {dp_name} = {gbs} / {n}; {hint}")
+    return local
+
+
+def check_chapter(*, world_size, model: str = "lab-tiny-llama", global_batch_size=8, n_microbatches=2, steps=4,
+                  seq_len=64, bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES, scaling_batch_sizes=(1, 2, 4, 8),
+                  scaling_steps=2) -> dict:
+    """Chapter 03's parameters, all checked before any launch (the chapter's first cell after its parameters).
+
+    world_size >= 2 (with one rank there is nothing to average, and the wrong-sync run cannot differ from the
+    right one); a known ``model`` small enough for the machine; ``steps`` >= 1; world_size divides
+    ``global_batch_size``; ``n_microbatches`` >= 2 (the accumulation runs, and the bug of syncing on the wrong
+    micro-batch, need two) and divides the local batch; ``seq_len`` within the model's ``max_seq_len``;
+    positive ``bucket_cap_bytes`` and ``scaling_steps``; one or more positive local batch sizes. Returns the
+    checked values (``local_batch_size`` added). Raises ValueError naming the value and the fix.
+    """
+    from labkit.spec import get_spec
+
+    n = harness.check_world_size("03", world_size, why="with one rank there is no gradient to average, and the "
+                                 "wrong-sync run cannot leave ranks disagreeing")
+    spec = get_spec(model)
+    steps = positive_int("steps", steps)
+    m = positive_int("n_microbatches", n_microbatches)
+    if m < 2:
+        raise ValueError(f"n_microbatches={m}: chapter 03's accumulation runs need n_microbatches >= 2 (the bug it "
+                         "reproduces syncs on micro-batch 0 instead of the last); use n_microbatches=2")
+    local = check_batch(n, global_batch_size, m, dp_name="world_size")
+    seq_len = positive_int("seq_len", seq_len)
+    if seq_len > spec.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds model {spec.name!r}'s max_seq_len={spec.max_seq_len}; "
+                         f"use seq_len <= {spec.max_seq_len}")
+    positive_int("bucket_cap_bytes", bucket_cap_bytes)
+    sizes = tuple(positive_int(f"scaling_batch_sizes[{i}]", b) for i, b in enumerate(scaling_batch_sizes or ()))
+    if not sizes:
+        raise ValueError(f"scaling_batch_sizes={scaling_batch_sizes!r} is empty: give at least one local batch "
+                         "size, e.g. (1, 2, 4, 8)")
+    positive_int("scaling_steps", scaling_steps)
+    harness.check_fits_in_memory(spec, n, copies=2, what="chapter 03")
+    return {"world_size": n, "model": spec.name, "global_batch_size": global_batch_size, "n_microbatches": m,
+            "local_batch_size": local, "steps": steps, "seq_len": seq_len, "scaling_batch_sizes": sizes}
+
+
 def chapter_rank(ctx, runs: list[dict] | None = None, *, scaling_batch_sizes=(1, 2, 4, 8), scaling_steps: int = 2,
                  **kwargs) -> dict:
     """Rank function for chapter 03, so one launch does all of it: the training variants (:func:`run_rank`
     with ``runs`` and ``kwargs``), the hand-checkable accumulation demo (:func:`accumulation_demo_rank`) and
-    the local-batch sweep (:func:`scaling_rank`; skipped when ``scaling_batch_sizes`` is empty).
+    the local-batch sweep (:func:`scaling_rank`, with the training runs' ``model``, ``seq_len`` and ``seed``;
+    skipped when ``scaling_batch_sizes`` is empty).
     Returns {"runs": [...], "demo": {...}, "scaling": [...]}; :func:`harness.summarize` and
     :func:`harness.exposure_table` accept the LaunchResult directly."""
     out = {"runs": run_rank(ctx, runs, **kwargs), "demo": accumulation_demo_rank(ctx)}
-    seq_len = kwargs.get("seq_len", 64)
-    out["scaling"] = (scaling_rank(ctx, scaling_batch_sizes, model=kwargs.get("model", "lab-tiny-llama"),
-                                   seq_len=seq_len, steps=scaling_steps) if scaling_batch_sizes else [])
+    same = {k: kwargs[k] for k in ("model", "seq_len", "seed") if k in kwargs}  # the training runs' own values
+    out["scaling"] = (scaling_rank(ctx, scaling_batch_sizes, steps=scaling_steps, **same)
+                      if scaling_batch_sizes else [])
     return out

@@ -19,6 +19,17 @@ Every strategy (data, ZeRO, tensor, pipeline, context parallel) can use :func:`t
 ``wrapper.full_state_dict()``
     the full, unsharded weights as CPU tensors keyed like the unwrapped model's ``state_dict``.
 
+What a run reports about communication, and how each number was obtained:
+
+* ``payload_bytes_per_step`` — *measured (what the code issued)*: the sum of S over the collectives the
+  :class:`~labkit.commlog.CommLog` saw (S in the nccl-tests convention: the buffer each call was given);
+* ``ring_bytes_per_step`` — *model*: each logged S times its ring factor (all-reduce 2(n-1)/n, all-gather /
+  reduce-scatter (n-1)/n): what a bandwidth-optimal ring would send per rank for those calls. It equals a
+  prediction whenever the code issued the predicted calls, so it checks the calls, not the wire;
+* ``socket_bytes_per_step`` — *measured (what left the process)*: the growth of ``wchar`` in /proc/self/io
+  over the timed steps (:func:`labkit.collectives.socket_bytes_written`): gloo's TCP sends, plus the few
+  bytes the rank writes otherwise. None where it cannot be read (NCCL, not Linux).
+
 How the timeline is recorded (so that :func:`labkit.timeline.exposed_ns` means what it says):
 
 * compute spans ``F`` (forward + loss), ``B`` (backward, from its start to the moment the last parameter
@@ -43,6 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.checks import check_divides, positive_int
+from labkit.collectives import socket_bytes_written
 from labkit.commlog import CommLog
 from labkit.measure import model_state_bytes
 from labkit.models import TOLERANCES, lm_loss, shard
@@ -190,7 +202,11 @@ def train_steps(ctx, model, optimizer: torch.optim.Optimizer, data, *, steps: in
       ``step_s`` — measured seconds per timed step on this rank; ``tokens_per_s`` — global tokens per
       second from the median step (``global_batch_size * seq_len / median(step_s)``);
       ``comm`` — one dict per collective issued in the timed steps (op, nbytes S, bytes_per_rank, async_op);
-      ``comm_bytes_per_step`` — sum of bytes_per_rank over the timed steps / steps;
+      ``payload_bytes_per_step`` — measured: sum of S over the timed steps / steps (what the code issued);
+      ``ring_bytes_per_step`` — model: sum of S x ring factor (``bytes_per_rank``) / steps;
+      ``socket_bytes_per_step`` — measured: bytes this process wrote during the timed steps / steps
+      (gloo's socket sends, :func:`labkit.collectives.socket_bytes_written`), None on CUDA or without
+      /proc/self/io (module docstring);
       ``grads`` — this rank's gradients at the last step before the update, by parameter name (only for
       wrappers whose gradients are full tensors on ``grad_params``).
     Raises ValueError for bad steps / batch arguments.
@@ -212,12 +228,14 @@ def train_steps(ctx, model, optimizer: torch.optim.Optimizer, data, *, steps: in
     losses, step_s, spans = [], [], []
     log = CommLog(ctx if record else None)
     total = warmup_steps + steps
+    written0 = written1 = None
     try:
         for step in range(total):
             timed = step >= warmup_steps
             if timed and step == warmup_steps:
                 ctx.barrier()
                 log.__enter__()
+                written0 = None if ctx.device.type == "cuda" else socket_bytes_written()
             t_step = time.perf_counter()
             CURRENT.step = step
             tokens, targets = local_batch(data, step, global_batch_size, dp_rank, dp)
@@ -257,6 +275,7 @@ def train_steps(ctx, model, optimizer: torch.optim.Optimizer, data, *, steps: in
                 ctx.sync()
                 step_s.append(time.perf_counter() - t_step)
             losses.append(local)
+        written1 = socket_bytes_written() if written0 is not None else None
     finally:
         if log._saved:
             log.__exit__(None, None, None)
@@ -274,7 +293,9 @@ def train_steps(ctx, model, optimizer: torch.optim.Optimizer, data, *, steps: in
     med = statistics.median(step_s)
     return {"losses": (lt / dp).tolist(),
             "step_s": step_s, "tokens_per_s": global_batch_size * seq_len / med,
-            "comm": comm, "comm_bytes_per_step": sum(r["bytes_per_rank"] for r in comm) / steps,
+            "comm": comm, "payload_bytes_per_step": sum(r["nbytes"] for r in comm) / steps,
+            "ring_bytes_per_step": sum(r["bytes_per_rank"] for r in comm) / steps,
+            "socket_bytes_per_step": None if written1 is None else (written1 - written0) / steps,
             "grads": grads}
 
 
@@ -354,7 +375,9 @@ def run_experiments(ctx, wrappers: dict[str, Callable], runs: list[dict], *, mod
     of :data:`LOOP_KEYS` overriding the keyword defaults, and builder options (overriding ``wrap_options``).
 
     Returns one dict per run (same order): ``variant``, ``label``, ``losses``, ``step_s``, ``tokens_per_s``,
-    ``comm_bytes_per_step`` and ``comm`` (per op: calls, nbytes, bytes_per_rank, each per timed step),
+    ``payload_bytes_per_step`` (measured), ``ring_bytes_per_step`` (model), ``socket_bytes_per_step``
+    (measured, gloo) as :func:`train_steps`, and ``comm`` (per op: calls, nbytes, bytes_per_rank, each per
+    timed step),
     ``memory`` (``labkit.measure.model_state_bytes`` after the last step: parameters, gradients, optimizer
     with its step counters), ``optimizer_steps`` (:func:`optimizer_step_bytes`), ``grads`` (last step,
     before the update; full gradients only), ``state`` (:func:`full_state_dict`, when ``return_state``),
@@ -415,12 +438,20 @@ def _runs(results) -> list[list[dict]]:
     return [r["runs"] if isinstance(r, dict) else r for r in results]
 
 
+#: column names of :func:`summarize` (and the chapters' tables): each says where its number comes from
+PAYLOAD = "logged payload S per step (measured: what the code issued)"
+RING = "ring bytes per rank per step (model: S x factor)"
+SOCKET = "socket bytes written per rank per step (measured: gloo)"
+
+
 def summarize(results) -> pd.DataFrame:
     """One row per run of a launch of :func:`run_experiments` (``results``: the LaunchResult, one list of run
     dicts per rank, or one dict with a ``runs`` list per rank): ``label``, ``tokens_per_s`` (measured; the
-    slowest rank's, since ranks step together), ``step_s`` (median over timed steps, slowest rank),
-    ``comm_bytes_per_step`` (measured, rank 0, ring bytes sent per rank), ``final_loss``, and measured
-    model-state bytes on rank 0 (``parameters``, ``gradients``, ``optimizer``, ``model_states``)."""
+    slowest rank's, since ranks step together), ``step_s`` (median over timed steps, slowest rank), per rank
+    and step on rank 0: :data:`PAYLOAD` (measured: the S the code issued), :data:`RING` (model: S x ring
+    factor), :data:`SOCKET` (measured: bytes written to gloo's sockets; NaN where not measurable),
+    ``final_loss``, and measured model-state bytes on rank 0 (``parameters``, ``gradients``, ``optimizer``,
+    ``model_states``)."""
     results = _runs(results)
     rows = []
     for i, r0 in enumerate(results[0]):
@@ -429,8 +460,40 @@ def summarize(results) -> pd.DataFrame:
         rows.append({"label": r0["label"], "variant": r0["variant"],
                      "tokens_per_s": min(r["tokens_per_s"] for r in per_rank),
                      "step_s": max(statistics.median(r["step_s"]) for r in per_rank),
-                     "comm_bytes_per_step": r0["comm_bytes_per_step"], "final_loss": r0["losses"][-1],
+                     PAYLOAD: r0["payload_bytes_per_step"], RING: r0["ring_bytes_per_step"],
+                     SOCKET: float("nan") if r0["socket_bytes_per_step"] is None else r0["socket_bytes_per_step"],
+                     "final_loss": r0["losses"][-1],
                      **mem, "model_states": sum(mem.values())})
+    return pd.DataFrame(rows)
+
+
+GLOO = "bytes per rank per step (model: gloo's algorithms, reduce-scatter sent as an all-reduce)"
+#: per op, bytes one rank sends per byte of S with gloo's CPU algorithms: a ring all-reduce and all-gather,
+#: and a reduce-scatter that runs a whole all-reduce and keeps its shard (chapter 02 measures this)
+GLOO_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                "reduce_scatter": lambda n: 2 * (n - 1) / n}
+
+
+def wire_table(results) -> pd.DataFrame:
+    """Per run of a :func:`run_experiments` launch (``results``: the LaunchResult), bytes one rank sends per
+    step three ways, each labelled with its source: :data:`RING` (model: the logged S x ring factor),
+    :data:`GLOO` (model: the logged S x :data:`GLOO_FACTORS`, the algorithms gloo runs on CPU) and
+    :data:`SOCKET` (measured on rank 0: what the process wrote, /proc/self/io; NaN where not measurable), and
+    ``measured / gloo model``. The group size is the launch's world size (every run here uses the world).
+    Raises ValueError for a collective without a gloo factor."""
+    runs = _runs(results)
+    n = len(runs)
+    rows = []
+    for r0 in runs[0]:
+        gloo = 0.0
+        for op, c in r0["comm"].items():
+            if op not in GLOO_FACTORS:
+                raise ValueError(f"op={op!r} has no gloo model; valid: {', '.join(GLOO_FACTORS)}")
+            gloo += c["nbytes"] * GLOO_FACTORS[op](n)
+        sock = r0["socket_bytes_per_step"]
+        rows.append({"label": r0["label"], RING: r0["ring_bytes_per_step"], GLOO: gloo,
+                     SOCKET: float("nan") if sock is None else sock,
+                     "measured / gloo model": float("nan") if sock is None or gloo == 0 else sock / gloo})
     return pd.DataFrame(rows)
 
 
@@ -444,6 +507,7 @@ def throughput_rank(ctx, wrappers: dict[str, Callable], runs: list[dict], *, mod
 
     ``runs``: dicts with ``variant`` (a key of ``wrappers``), optional ``label`` and builder options.
     Returns {label: [measured global tokens/s of each round]} (this rank's clock; ranks step together).
+    Raises ValueError for an unknown variant or model, or non-positive steps / repeats / batch sizes.
     """
     from labkit.checks import check_choice
     from labkit.models import SyntheticLM, build_model
@@ -512,3 +576,80 @@ def replica_spread(results, what: str = "grads") -> pd.Series:
         ref = r0.get(what) or {}
         out[r0["label"]] = max((max_abs_diff(rr[i][what], ref) for rr in runs[1:] if ref), default=0.0)
     return pd.Series(out, name=f"max |{what} - rank 0 {what}|")
+
+
+# ------------------------------------------------------------------------------------------------------
+# chapter helpers: validation before a launch, exercises, benchmark verdicts
+# ------------------------------------------------------------------------------------------------------
+def check_world_size(chapter: str, world_size, *, minimum: int = 2, why: str = "") -> int:
+    """Return ``world_size`` as int; ValueError "chapter NN needs world_size >= minimum ..." (with ``why``)
+    when it is smaller or not a positive integer."""
+    n = positive_int("world_size", world_size)
+    if n < minimum:
+        raise ValueError(f"chapter {chapter} needs world_size >= {minimum}, got world_size={n}"
+                         + (f": {why}" if why else "") + f"; use world_size={minimum} or more")
+    return n
+
+
+def _available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits_in_memory(spec, world_size: int, *, copies: int = 2, what: str = "this run") -> None:
+    """Raise ValueError (before any launch) when ``world_size`` ranks, each holding ``copies`` full fp32 copies
+    of ``spec``'s model states (4 + 4 + 8 bytes per parameter: weights, gradients, AdamW moments), would need
+    more than half of this machine's available memory (MemAvailable, /proc/meminfo; no check where it cannot
+    be read). The message names the model, the bytes (GB = 1e9) and the lab's CPU-sized presets."""
+    from labkit.spec import get_spec
+
+    spec = get_spec(spec) if isinstance(spec, str) else spec
+    need = 16 * spec.n_params() * positive_int("copies", copies) * positive_int("world_size", world_size)
+    avail = _available_memory_bytes()
+    if avail is not None and need > avail / 2:
+        raise ValueError(f"model={spec.name!r} ({spec.n_params():.3g} parameters) needs about {need / 1e9:.1f} GB "
+                         f"for {what} on {world_size} ranks (16 bytes per parameter x {copies} copies per rank), "
+                         f"more than half of the {avail / 1e9:.1f} GB available; choose a CPU-sized preset: "
+                         "lab-tiny-llama, lab-tiny-gpt, lab-small-llama")
+
+
+def check_exercise(answer, reference: float, *, hint: str, wrong: str, rel_tol: float = 1e-6,
+                   abs_tol: float = 0.0) -> None:
+    """A chapter exercise's self-check, printed. ``answer`` None: prints "not attempted yet" and ``hint`` —
+    never the reference (CI runs the chapters unattended, and a reader should not see the answer before
+    trying). Otherwise checks that ``answer`` is within ``rel_tol`` (relative) or ``abs_tol`` (absolute) of
+    ``reference`` and prints "correct". Raises AssertionError with ``wrong`` (a hint, not the answer) when it
+    is not."""
+    import math
+
+    if answer is None:
+        print(f"not attempted yet. Hint: {hint}")
+        return
+    ok = math.isclose(float(answer), float(reference), rel_tol=rel_tol, abs_tol=abs_tol)
+    assert ok, f"{answer!r} is not right: {wrong}"
+    print("correct")
+
+
+def ratio_verdict(name: str, ratios, goal: float, *, higher_is_better: bool) -> tuple[str, bool]:
+    """One line for a benchmark's headline ratio, measured over several rounds: the median of ``ratios``,
+    their spread (min and max), and whether the median meets ``goal`` (``>= goal`` when
+    ``higher_is_better``, else ``<= goal``). Returns (line, met); a benchmark prints the line last and exits
+    non-zero when not met. Raises ValueError for no ratio or a non-finite one."""
+    import math
+
+    vals = [float(r) for r in ratios]
+    if not vals or not all(math.isfinite(v) for v in vals):
+        raise ValueError(f"ratios={vals!r} must be one or more finite numbers")
+    med = statistics.median(vals)
+    met = med >= goal if higher_is_better else med <= goal
+    rel = ">=" if higher_is_better else "<="
+    line = (f"{name} = {med:.3f} (median of {len(vals)}; spread {min(vals):.3f} to {max(vals):.3f}; measured) "
+            f"goal {rel} {goal:.2f}: {'met' if met else 'NOT met'}")
+    return line, met

@@ -149,6 +149,57 @@ def check_job(job: dict, pp: int) -> dict:
     return job
 
 
+def check_chapter(*, world_size, n_microbatches=None, op_ms=20.0, sweep=(1, 2, 4), steps=2,
+                  spec_name: str = "lab-tiny-llama", vocab_size=8192, global_batch_size=None, seq_len=32,
+                  bubble_tol=0.05, timeout_s=180.0) -> dict:
+    """Chapter 06's parameters, all checked before any launch (the chapter's first cell after its parameters).
+
+    Resolves the defaults (``n_microbatches`` None -> 2·pp, ``global_batch_size`` None -> 2·m) and checks,
+    each with a ValueError naming the value and the fix: world_size = pp >= 2; m enough for every schedule and
+    a multiple of pp (interleaved); every sweep factor k a positive integer (m = k·pp); op_ms, bubble_tol
+    (below 1) and timeout_s positive; steps >= 1; a dense, known ``spec_name`` with ``vocab_size`` and
+    n_layers = 2·pp (one layer per interleaved stage); m dividing global_batch_size; seq_len within
+    max_seq_len. Every job the chapter launches (fixed and real compute, ours and torch's) passes
+    :func:`check_job`.
+
+    Returns ``{"pp", "n_microbatches", "global_batch_size", "sweep_microbatches", "costs" (OpCosts, s),
+    "spec" (the real-compute ModelSpec)}``.
+    """
+    from labkit.parallel import harness
+    from labkit.spec import get_spec
+
+    p = harness.check_world_size("06", world_size, why="a pipeline needs at least two stages, one per rank")
+    m = positive_int("n_microbatches", n_microbatches) if n_microbatches is not None else 2 * p
+    for name in sim.SCHEDULES:
+        sim.check_schedule_args(name, p, m, 2 if name == "interleaved" else 1)
+    ks = [positive_int(f"sweep[{i}]", k) for i, k in enumerate(sweep)]
+    if not ks:
+        raise ValueError("sweep=[] is empty: give at least one factor k (m = k * world_size), e.g. sweep=[1, 2]")
+    op_s = positive_float("op_ms", op_ms) / 1e3
+    tol = positive_float("bubble_tol", bubble_tol)
+    if tol >= 1:
+        raise ValueError(f"bubble_tol={bubble_tol} must be below 1 (a bubble fraction is between 0 and 1); "
+                         "e.g. bubble_tol=0.05")
+    positive_float("timeout_s", timeout_s)
+    steps = positive_int("steps", steps)
+    spec = get_spec(spec_name).replace(n_layers=2 * p, vocab_size=positive_int("vocab_size", vocab_size))
+    gbs = positive_int("global_batch_size", global_batch_size) if global_batch_size is not None else 2 * m
+    costs = OpCosts(f=op_s, b=op_s, w=op_s)
+    ms = sorted({k * p for k in ks} | {m})
+    jobs = [dict(schedule=s, n_microbatches=mm, steps=steps, costs=costs) for mm in ms for s in ("gpipe", "1f1b")]
+    jobs += [dict(schedule="interleaved", n_microbatches=m, v=2, steps=steps,
+                  costs=OpCosts(costs.f / 2, costs.b / 2, costs.w / 2)),
+             dict(schedule="zb-h1", n_microbatches=m, costs=costs, steps=steps)]
+    real = dict(compute="real", spec=spec, global_batch_size=gbs, seq_len=seq_len, steps=steps, n_microbatches=m)
+    jobs += [dict(real, schedule=s) for s in sim.SCHEDULES]
+    jobs += [dict(real, schedule=s, impl="torch") for s in ("gpipe", "1f1b", "interleaved")]
+    for job in jobs:
+        check_job(job, p)
+    harness.check_fits_in_memory(spec, p, copies=2, what="chapter 06")
+    return {"pp": p, "n_microbatches": m, "global_batch_size": gbs, "sweep_microbatches": ms, "costs": costs,
+            "spec": spec}
+
+
 # ------------------------------------------------------------------------------------------------------
 # torch.distributed.pipelining's own action order (an independent check of ours)
 # ------------------------------------------------------------------------------------------------------
@@ -161,7 +212,7 @@ def torch_pipeline_order(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[A
     per rank = ZB-H1, which torch calls ZB1P) ``_calculate_single_rank_operations``. These are private
     torch APIs: returns None when the installed torch lacks them. Note (torch 2.13): Schedule1F1B's IR
     numbers the last rank's forwards from 1 instead of 0 (an IR-only off-by-one; its runtime order is
-    right, which the torch-native runs observe).
+    right, which the torch-native runs observe). Raises ValueError as :func:`labkit.simulate.check_schedule_args`.
     """
     sim.check_schedule_args(name, p, m, v)
     try:

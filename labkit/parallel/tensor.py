@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.checks import check_choice, check_divides, divisors, positive_int
+from labkit.checks import check_choice, check_divides, divisors, positive_float, positive_int
 from labkit.commlog import CommLog, all_gather_tensor, bus_factor, reduce_scatter_tensor
 from labkit.models import (
     TOLERANCES,
@@ -65,6 +65,7 @@ from labkit.models import (
     lm_loss,
     make_optimizer,
 )
+from labkit.parallel import harness
 from labkit.spec import ModelSpec, get_spec
 
 SEQ_DIM = 1  # the lab's activations are [batch, seq, hidden]: sequence parallelism splits dim 1
@@ -925,6 +926,8 @@ class TPTransformer(nn.Module):
         return logits
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 -> this rank's logits [B, T, padded_vocab/tp]. Raises ValueError when T exceeds
+        max_seq_len or, with sequence parallelism, tp does not divide T."""
         if tokens.shape[1] > self.spec.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.spec.max_seq_len}")
         if self.sequence_parallel:
@@ -1141,6 +1144,7 @@ def comm_theory_model(spec: ModelSpec | str, batch_size: int, seq_len: int, tp: 
     backward); the loss exchanges 3 fp32 numbers per token in 2 all-reduces (max, then the (target logit,
     sum of exponentials) pair) instead of gathering B*T*V logits; :func:`finalize_grads` all-reduces the
     partial gradients (SP norms, row biases, learned positions; replicated kv heads) in one call.
+    Raises ValueError as :func:`check_tp` (with the vocabulary padded) for a tp the model cannot use.
     """
     if isinstance(spec, str):
         spec = get_spec(spec)
@@ -1235,10 +1239,11 @@ def comm_table(records) -> list[dict]:
 
 
 def comm_vs_theory(records, theory: list[dict]) -> list[dict]:
-    """Measured collectives (CommLog records) beside predicted ones (theory rows), one row per
-    (where, phase, op): ``calls_measured``, ``calls_predicted``, ``nbytes_measured``, ``nbytes_predicted``
-    (S per call, or the sorted list when calls differ), ``bytes_per_rank_measured``,
-    ``bytes_per_rank_predicted``, ``match`` (calls and sizes equal)."""
+    """Logged collectives (CommLog records: measured, what the code issued) beside predicted ones (theory
+    rows), one row per (where, phase, op): ``calls_measured``, ``calls_predicted``, ``nbytes_measured``,
+    ``nbytes_predicted`` (S per call, or the sorted list when calls differ), ``bytes_per_rank_model`` (the
+    logged S x ring factor: a model of what a ring sends for those calls, not a measurement; what the sockets
+    carried is in :func:`step_bytes_table`), ``bytes_per_rank_predicted``, ``match`` (calls and sizes equal)."""
     meas = {(r["where"], r["phase"], r["op"]): r for r in comm_table(records)}
     pred = {(r["where"], r["phase"], r["op"]): r for r in theory}
 
@@ -1254,7 +1259,7 @@ def comm_vs_theory(records, theory: list[dict]) -> list[dict]:
         rows.append({"where": key[0], "phase": key[1], "op": key[2],
                      "calls_measured": m["calls"] if m else 0, "calls_predicted": p["calls"] if p else 0,
                      "nbytes_measured": sizes(m), "nbytes_predicted": sizes(p),
-                     "bytes_per_rank_measured": m["bytes_per_rank"] if m else 0.0,
+                     "bytes_per_rank_model": m["bytes_per_rank"] if m else 0.0,
                      "bytes_per_rank_predicted": p["bytes_per_rank"] if p else 0.0,
                      "match": m is not None and p is not None and m["calls"] == p["calls"] and sizes(m) == sizes(p)})
     return rows
@@ -1466,13 +1471,21 @@ def _field_cases(ctx, spec: ModelSpec, batch_size: int, seq_len: int, seed: int,
 
 
 def count_model_collectives(ctx, spec: ModelSpec, batch_size: int, seq_len: int, *, sequence_parallel: bool,
-                            regather: bool = True, seed: int = 0, label: str = "TP", group=None) -> list[dict]:
+                            regather: bool = True, seed: int = 0, label: str = "TP", group=None,
+                            socket: dict | None = None) -> list[dict]:
     """Every collective of one TP training step (forward, loss, backward, finalize), as CommLog records
     (``op``, ``nbytes``, ``bytes_per_rank``, ``tag``=``where/phase``...). Also adds them, and the
-    ``{label} forward`` / ``{label} backward`` spans, to ``ctx.timeline``."""
+    ``{label} forward`` / ``{label} backward`` spans, to ``ctx.timeline``. With ``socket`` (a dict), stores
+    ``socket["bytes"]``: the bytes this process wrote during the step, measured
+    (:func:`labkit.collectives.socket_bytes_written`; gloo's socket sends, None on CUDA or without
+    /proc/self/io)."""
+    from labkit.collectives import socket_bytes_written
+
     tpm = apply_tp(build_model(spec, seed, device=ctx.device), group, sequence_parallel=sequence_parallel,
                    pad_vocab=True, regather=regather)
     tokens, targets = (t.to(ctx.device) for t in SyntheticLM(spec.vocab_size, seq_len, seed).batch(0, batch_size))
+    ctx.barrier()
+    before = None if ctx.device.type == "cuda" else socket_bytes_written()
     with CommLog(ctx) as log:
         tpm.commlog = log
         with ctx.timer(f"{label} forward", barrier=True):
@@ -1483,6 +1496,9 @@ def count_model_collectives(ctx, spec: ModelSpec, batch_size: int, seq_len: int,
         tpm.end_tags()
         with log.tagged("finalize/bwd"):
             finalize_grads(tpm, group)
+    after = socket_bytes_written() if before is not None else None
+    if socket is not None:
+        socket["bytes"] = None if after is None else after - before
     tpm.commlog = None
     return [{k: v for k, v in r.items() if k not in ("start_ns", "end_ns")} for r in log.records]
 
@@ -1490,7 +1506,8 @@ def count_model_collectives(ctx, spec: ModelSpec, batch_size: int, seq_len: int,
 def count_mlp_pair_collectives(ctx, kind: str, tokens: int, hidden_size: int, ffn_hidden_size: int,
                                group=None) -> list[dict]:
     """Collectives of a GELU MLP built as column->row or column->column (see :func:`comm_theory_mlp_pair`),
-    forward + backward, checked against the unsharded MLP (records plus a ``parity_ok`` flag on each)."""
+    forward + backward, checked against the unsharded MLP (records plus a ``parity_ok`` flag on each).
+    Raises ValueError for an unknown kind."""
     check_choice("kind", kind, ("column-row", "column-column"))
     dev = torch.device("cpu") if ctx is None else ctx.device
     l1 = _seeded_linear(hidden_size, ffn_hidden_size, 3, dev)
@@ -1546,8 +1563,12 @@ def activation_vs_theory(rows: list[dict], spec: ModelSpec | str, batch_size: in
     """Measured saved-activation bytes (:func:`activation_bytes` rows) beside labkit.memory's prediction for
     the lab model (``activation_model="lab"``, fp32, CPU kernels; ``ParallelConfig(tp, sequence_parallel)``):
     per layer and in total (layers + embedding/head/loss items). The prediction assumes SP stores the
-    linear-layer inputs as sequence shards (the re-gather), so "no re-gather" has no prediction (None).
-    Adds ``per_layer_measured``, ``per_layer_predicted``, ``total_predicted``, ``ratio_to_tp1_measured``."""
+    linear-layer inputs as sequence shards (the re-gather); without it each column region (attention's
+    wq/wk/wv and the MLP's input linears in every layer, and the output layer) stores the gathered input
+    [B, T, H] instead of its shard [B, T/tp, H], so "no re-gather" is predicted as TP+SP plus
+    B·T·H·bytes·(1 - 1/tp) per region (Korthikanti et al. 2022, Section 4.2.2: storing the shard is what the
+    extra all-gather buys). Adds ``per_layer_measured``, ``per_layer_predicted``, ``total_predicted``,
+    ``ratio_to_tp1_measured``. Raises ValueError for an unknown model or bad sizes."""
     from labkit import memory as mem
 
     if isinstance(spec, str):
@@ -1555,23 +1576,31 @@ def activation_vs_theory(rows: list[dict], spec: ModelSpec | str, batch_size: in
     train = mem.TrainConfig(micro_batch_size=batch_size, seq_len=seq_len, convention="torch-fp32", kernels="cpu")
     full = next(r["bytes"] for r in rows if r["tp"] == 1)
     out = []
+    e = train.act_bits() // 8
     for r in rows:
         sp = r["variant"].startswith("TP+SP")
-        pred_layer = pred_total = None
-        if "no re-gather" not in r["variant"]:
-            par = mem.ParallelConfig(tp=r["tp"], sequence_parallel=sp)
-            pred_layer = mem.activation_bytes_per_layer(spec, train, par)
-            pred_total = spec.n_layers * pred_layer + sum(i.nbytes for i in mem.edge_activation_items(spec, train, par))
+        par = mem.ParallelConfig(tp=r["tp"], sequence_parallel=sp)
+        pred_layer = mem.activation_bytes_per_layer(spec, train, par)
+        pred_total = spec.n_layers * pred_layer + sum(i.nbytes for i in mem.edge_activation_items(spec, train, par))
+        if "no re-gather" in r["variant"]:
+            gathered = batch_size * seq_len * spec.hidden_size * e * (r["tp"] - 1) // r["tp"]  # per column region
+            pred_layer += 2 * gathered
+            pred_total += (2 * spec.n_layers + 1) * gathered
         out.append({"variant": r["variant"], "tp": r["tp"], "per_layer_measured": r["per_layer"][0],
                     "per_layer_predicted": pred_layer, "total_measured": r["bytes"], "total_predicted": pred_total,
                     "ratio_to_tp1_measured": r["bytes"] / full})
     return out
 
 
+def dtensor_parity_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The model the DTensor parity check runs: ``spec`` itself, or, when tp does not divide its kv heads
+    (DTensor's ColwiseParallel cannot replicate them), the same model with n_kv_heads = tp."""
+    return spec.replace(n_kv_heads=tp, name=f"{spec.name}, n_kv_heads={tp}") if spec.n_kv_heads % tp else spec
+
+
 def _dtensor_parity(ctx, spec: ModelSpec, sp: bool, batch_size: int, seq_len: int, seed: int) -> list:
     n = dist.get_world_size()
-    if spec.n_kv_heads % n:
-        spec = spec.replace(n_kv_heads=n, name=f"{spec.name}, n_kv_heads={n}")
+    spec = dtensor_parity_spec(spec, n)
     ref = _perturb(build_model(spec, seed, device=ctx.device))
     m = apply_dtensor_tp(_perturb(build_model(spec, seed, device=ctx.device)), sequence_parallel=sp)
     tokens, targets = (t.to(ctx.device) for t in SyntheticLM(spec.vocab_size, seq_len, seed).batch(0, batch_size))
@@ -1587,9 +1616,39 @@ def _dtensor_parity(ctx, spec: ModelSpec, sp: bool, batch_size: int, seq_len: in
             _compare(f"DTensor {spec.name}: grads", grads, {k: p.grad for k, p in ref.named_parameters()}, **extra)]
 
 
+#: the training steps whose collectives tp_check_rank counts: (key, label, sequence_parallel, regather)
+COMM_RUNS = (("tp", "TP", False, True), ("sp", "TP+SP", True, True), ("sp_no_regather", "TP+SP (no re-gather)", True,
+                                                                       False))
+
+
+def step_bytes_table(check: dict) -> list[dict]:
+    """Bytes one rank sends in one training step of each :data:`COMM_RUNS` variant, from a
+    :func:`tp_check_rank` result, each number labelled with its source: ``payload S (measured: what the code
+    issued)`` (CommLog), ``ring bytes (model: S x factor)``, ``ring bytes (predicted: comm_theory_model)``,
+    ``gloo model`` (S x the factors of gloo's CPU algorithms: :data:`labkit.parallel.harness.GLOO_FACTORS`),
+    ``socket bytes written (measured: gloo)`` (NaN where not measurable) and ``measured / gloo model``."""
+    from labkit.parallel.harness import GLOO_FACTORS
+
+    spec = get_spec(check["spec"])
+    rows = []
+    for key, label, sp, regather in COMM_RUNS:
+        recs = check["comm"][key]
+        theory = comm_theory_model(spec, check["batch_size"], check["seq_len"], check["tp"], sequence_parallel=sp,
+                                   regather=regather)
+        gloo = sum(r["nbytes"] * GLOO_FACTORS[r["op"]](r["group_size"]) for r in recs)
+        sock = check.get("socket_bytes", {}).get(key)
+        sock = float("nan") if sock is None else float(sock)
+        rows.append({"variant": label, "payload S (measured: what the code issued)": sum(r["nbytes"] for r in recs),
+                     "ring bytes (model: S x factor)": sum(r["bytes_per_rank"] for r in recs),
+                     "ring bytes (predicted: comm_theory_model)": sum(r["bytes_per_rank"] for r in theory),
+                     "gloo model": gloo, "socket bytes written (measured: gloo)": sock,
+                     "measured / gloo model": sock / gloo if gloo else float("nan")})
+    return rows
+
+
 def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = "lab-tiny-gpt", *,
                   batch_size: int = 2, seq_len: int = 16, steps: int = 2, lr: float = 1e-3, seed: int = 0,
-                  dtensor: bool = True, activations: bool = True) -> dict:
+                  dtensor=True, activations: bool = True) -> dict:
     """Everything chapter 05 and tests/test_tensor_parallel.py check, in one launch (tp = world size):
 
     * ``parity``: rows (check, tp, sp, max_abs_err, rtol, atol, ok, detail) — column and row linear, GELU(tanh)
@@ -1597,18 +1656,25 @@ def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = 
       model (Llama-style with a padded vocabulary, GPT-style with tied embeddings, each TP and TP+SP): logits,
       loss, every gradient, losses and weights over ``steps`` AdamW steps; the vocab-parallel loss with
       padding; the DTensor variant (TP and TP+SP). fp32, tolerances from ``labkit.models.TOLERANCES``.
-    * ``comm``: {"tp": records, "sp": records} of one training step of ``spec_name`` (CommLog, tagged
-      ``where/phase``), to compare with :func:`comm_theory_model`;
+    * ``comm``: {"tp": records, "sp": records, "sp_no_regather": records} of one training step of
+      ``spec_name`` (CommLog, tagged ``where/phase``), to compare with :func:`comm_theory_model`;
+      ``socket_bytes``: {same keys: bytes this rank wrote to gloo's sockets during that step (measured), or
+      None}; :func:`step_bytes_table` puts them side by side;
     * ``comm_pair``: records of column->row and column->column MLPs;
     * ``field``: the reproduced field cases (:func:`_field_cases`);
     * ``activations``: saved-activation bytes per rank (:func:`activation_bytes`).
-    All ranks return the same (rank 0's numbers suffice). Raises ValueError for world_size < 2 or bad sizes
-    (before any work).
+    ``dtensor``: True runs the DTensor parity check without and with SP, False skips it, or a tuple of SP
+    flags to run (:func:`check_chapter` decides which the model allows).
+    All ranks return the same (rank 0's numbers suffice). Raises ValueError for world_size < 2 or bad sizes,
+    or a DTensor check the model does not allow (before any work).
     """
     spec, gspec = get_spec(spec_name), get_spec(gelu_spec_name)
     n = positive_int("world_size", ctx.world_size, minimum=2)  # tp=1 has nothing to split
     for s in (spec, gspec):
         check_tp(s, n, pad_vocab=True, sequence_parallel=True, seq_len=seq_len)
+    dtensor_sp = (False, True) if dtensor is True else (() if dtensor is False else tuple(dtensor))
+    for sp in dtensor_sp:
+        check_tp(dtensor_parity_spec(spec, n), n, sequence_parallel=sp, seq_len=seq_len, dtensor=True)
     t0 = time.perf_counter()
     out: dict = {"tp": n, "spec": spec_name, "gelu_spec": gelu_spec_name, "batch_size": batch_size,
                  "seq_len": seq_len}
@@ -1649,15 +1715,16 @@ def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = 
     for s, sp in ((spec, False), (padded_spec, True), (gspec, False), (gspec, True)):
         parity += _model_parity(ctx, s, sp, batch_size, seq_len, steps, lr, seed)
     lap("loss, whole models")
-    if dtensor:
-        for sp in (False, True):
-            parity += _dtensor_parity(ctx, spec, sp, batch_size, seq_len, seed)
+    for sp in dtensor_sp:
+        parity += _dtensor_parity(ctx, spec, sp, batch_size, seq_len, seed)
     lap("DTensor")
     out["parity"] = parity
-    out["comm"] = {key: count_model_collectives(ctx, spec, batch_size, seq_len, sequence_parallel=sp,
-                                                regather=regather, seed=seed, label=label)
-                   for key, label, sp, regather in (("tp", "TP", False, True), ("sp", "TP+SP", True, True),
-                                                    ("sp_no_regather", "TP+SP (no re-gather)", True, False))}
+    out["comm"], out["socket_bytes"] = {}, {}
+    for key, label, sp, regather in COMM_RUNS:
+        sock: dict = {}
+        out["comm"][key] = count_model_collectives(ctx, spec, batch_size, seq_len, sequence_parallel=sp,
+                                                   regather=regather, seed=seed, label=label, socket=sock)
+        out["socket_bytes"][key] = sock["bytes"]
     out["comm_pair"] = (count_mlp_pair_collectives(ctx, "column-row", batch_size * seq_len, h, spec.ffn_hidden_size)
                         + count_mlp_pair_collectives(ctx, "column-column", batch_size * seq_len, h,
                                                      spec.ffn_hidden_size))
@@ -1682,6 +1749,14 @@ def copy_module(m: nn.Module) -> nn.Module:
 STEP_VARIANTS = ("tp1", "hand", "hand_sp", "dtensor", "dtensor_sp")
 
 
+def _check_step_variants(spec: ModelSpec, tp: int, variants, seq_len: int) -> None:
+    for v in variants:
+        check_choice("variant", v, STEP_VARIANTS)
+        if v != "tp1":
+            check_tp(spec, tp, sequence_parallel=v.endswith("_sp"), seq_len=seq_len, dtensor=v.startswith("dtensor"),
+                     pad_vocab=v.startswith("hand"))
+
+
 def step_time_rank(ctx, spec_name: str = "lab-tiny-llama", variants=("tp1", "hand", "dtensor"), *,
                    batch_size: int = 4, seq_len: int = 64, steps: int = 5, warmup: int = 2, lr: float = 1e-3,
                    seed: int = 0) -> dict:
@@ -1697,10 +1772,7 @@ def step_time_rank(ctx, spec_name: str = "lab-tiny-llama", variants=("tp1", "han
     """
     spec = get_spec(spec_name)
     n = ctx.world_size
-    for v in variants:
-        check_choice("variant", v, STEP_VARIANTS)
-        if v != "tp1":
-            check_tp(spec, n, sequence_parallel=v.endswith("_sp"), seq_len=seq_len, dtensor=v.startswith("dtensor"))
+    _check_step_variants(spec, n, variants, seq_len)
     steps, warmup = positive_int("steps", steps), positive_int("warmup", warmup, minimum=0)
     data = SyntheticLM(spec.vocab_size, seq_len, seed)
     models = {}
@@ -1742,13 +1814,84 @@ def step_time_rank(ctx, spec_name: str = "lab-tiny-llama", variants=("tp1", "han
             "seq_len": seq_len, "steps": steps, "warmup": warmup, "threads": torch.get_num_threads()}
 
 
+def check_chapter(*, world_size, model: str = "lab-tiny-llama", gelu_model: str = "lab-tiny-gpt", batch_size=2,
+                  seq_len=16, train_steps=2, time_batch_size=4, time_seq_len=64, time_steps=3,
+                  timeout_s=300.0) -> dict:
+    """Chapter 05's parameters, all checked before any launch, and which variants this model allows.
+
+    Checks (ValueError naming the value and the fix): world_size >= 2 (tp = world_size; tp=1 splits nothing);
+    known, dense, CPU-sized models; ``gelu_model`` a GELU MLP with biases (the field cases need a row bias);
+    :func:`check_tp` for both models at tp (heads, kv heads split or replicated, ffn, vocabulary padded, SP
+    with ``seq_len`` and ``time_seq_len``); sequence lengths within ``max_seq_len``; positive sizes, steps
+    and ``timeout_s``.
+
+    DTensor limits are decided here, not discovered in the ranks: the DTensor variant (``apply_dtensor_tp``)
+    cannot replicate kv heads (tp must divide n_kv_heads; the parity check then uses a model with
+    n_kv_heads = tp, :func:`dtensor_parity_spec`), cannot hold tied embeddings, does not pad the vocabulary,
+    and with SP runs RoPE models only (learned positions). Each DTensor variant the model cannot run is
+    skipped, with the reason.
+
+    Returns ``{"world_size", "dtensor_parity": SP flags to check (for ``tp_check_rank(dtensor=...)``),
+    "time_variants": (...), "skipped": {variant: reason}}``.
+    """
+    n = harness.check_world_size("05", world_size, why="tensor parallelism splits each layer over world_size "
+                                 "ranks, and tp=1 splits nothing")
+    spec, gspec = get_spec(model), get_spec(gelu_model)
+    for s in (spec, gspec):
+        if s.is_moe:
+            raise ValueError(f"model {s.name!r} is a mixture-of-experts model; chapter 05 splits dense layers "
+                             "(expert parallelism is chapter 08): use lab-tiny-llama or lab-tiny-gpt")
+    if gspec.mlp != "gelu" or not gspec.bias:
+        raise ValueError(f"gelu_model={gelu_model!r} must be a GELU model with biases (the field cases add a row "
+                         "bias on every rank); use gelu_model='lab-tiny-gpt'")
+    batch_size, time_batch_size = positive_int("batch_size", batch_size), positive_int("time_batch_size",
+                                                                                         time_batch_size)
+    positive_int("train_steps", train_steps)
+    positive_int("time_steps", time_steps)
+    positive_float("timeout_s", timeout_s)
+    for name, t in (("seq_len", seq_len), ("time_seq_len", time_seq_len)):
+        t = positive_int(name, t)
+        for s in (spec, gspec):
+            if t > s.max_seq_len:
+                raise ValueError(f"{name}={t} exceeds model {s.name!r}'s max_seq_len={s.max_seq_len}; "
+                                 f"use {name} <= {s.max_seq_len}")
+    try:
+        for s in (spec, gspec):
+            check_tp(s, n, pad_vocab=True, sequence_parallel=True, seq_len=seq_len)
+        check_tp(spec, n, pad_vocab=True, sequence_parallel=True, seq_len=time_seq_len)
+    except ValueError as e:
+        raise ValueError(f"world_size={n} is the tp degree in chapter 05: {e}") from None
+    harness.check_fits_in_memory(spec, n, copies=4, what="chapter 05")
+    skipped: dict[str, str] = {}
+    parity = []
+    for sp in (False, True):
+        label = "DTensor parity, TP+SP" if sp else "DTensor parity, TP"
+        try:
+            check_tp(dtensor_parity_spec(spec, n), n, sequence_parallel=sp, seq_len=seq_len, dtensor=True)
+            parity.append(sp)
+        except ValueError as e:
+            skipped[label] = str(e)
+    time_variants = ["tp1", "hand", "hand_sp"]
+    try:
+        check_tp(spec, n, seq_len=time_seq_len, dtensor=True)
+        time_variants.append("dtensor")
+    except ValueError as e:
+        skipped["DTensor step time"] = str(e)
+    return {"world_size": n, "dtensor_parity": tuple(parity), "time_variants": tuple(time_variants),
+            "skipped": skipped}
+
+
 def chapter_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = "lab-tiny-gpt", *,
                  batch_size: int = 2, seq_len: int = 16, steps: int = 2, time_variants=("tp1", "hand", "hand_sp"),
-                 time_batch_size: int = 4, time_seq_len: int = 64, time_steps: int = 3, seed: int = 0) -> dict:
+                 time_batch_size: int = 4, time_seq_len: int = 64, time_steps: int = 3, seed: int = 0,
+                 dtensor_parity=(False, True)) -> dict:
     """Chapter 05 in one launch (a launch costs seconds on a 2-core machine): ``{"check":``
-    :func:`tp_check_rank` ``, "timed":`` :func:`step_time_rank` ``}``."""
+    :func:`tp_check_rank` ``, "timed":`` :func:`step_time_rank` ``}``. ``dtensor_parity`` and
+    ``time_variants`` come from :func:`check_chapter`. Raises ValueError (before any work) for a variant the
+    model cannot run."""
+    _check_step_variants(get_spec(spec_name), ctx.world_size, time_variants, time_seq_len)
     check = tp_check_rank(ctx, spec_name, gelu_spec_name, batch_size=batch_size, seq_len=seq_len, steps=steps,
-                          seed=seed)
+                          seed=seed, dtensor=dtensor_parity)
     timed = step_time_rank(ctx, spec_name, time_variants, batch_size=time_batch_size, seq_len=time_seq_len,
                            steps=time_steps, warmup=1, seed=seed)
     return {"check": check, "timed": timed}

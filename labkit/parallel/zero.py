@@ -67,13 +67,21 @@ def predicted_comm_bytes(stage: int, world_size: int, n_params: int, *, root_par
       backward, reduce-scatter Ψ: (n-1)/n·(3Ψ - Ψ_root) per micro-batch — 1.5x DDP when Ψ_root → 0
       (Sec. 7.2.2). FSDP2 keeps its root the same way, so the same formula applies.
 
-    ``n_params`` = Ψ (padded sizes, if padding exists), ``root_params`` = Ψ_root. Returns {op: bytes}.
+    ``n_params`` = Ψ (padded sizes, if padding exists: :func:`padded_params`), ``root_params`` = Ψ_root.
+    Returns {op: bytes} (float: the ring factors are fractions).
+
+    Raises:
+        ValueError: stage not in 0-3; world_size, n_params, n_microbatches or bytes_per_element not a
+            positive integer; root_params negative or larger than n_params.
     """
     check_choice("stage", stage, STAGES)
     n = positive_int("world_size", world_size)
     m = positive_int("n_microbatches", n_microbatches)
-    psi = positive_int("n_params", n_params) * bytes_per_element
-    root = root_params * bytes_per_element
+    e = positive_int("bytes_per_element", bytes_per_element)
+    psi = positive_int("n_params", n_params) * e
+    root = positive_int("root_params", root_params, minimum=0) * e
+    if root > psi:
+        raise ValueError(f"root_params={root_params} exceeds n_params={n_params}: the root unit is part of the model")
     f = (n - 1) / n
     if stage == 0:
         return {"all_reduce": 2 * f * psi}
@@ -419,7 +427,8 @@ def fsdp2(module: nn.Module, ctx, *, lr: float = 1e-3, mesh=None, reshard_after_
 # ------------------------------------------------------------------------------------------------------
 def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None, mesh=None, **options):
     """Wrap ``module`` as ``variant`` (:data:`VARIANTS`: ddp = stage 0 via torch DDP, zero1/2/3 from
-    scratch, fsdp2) and build the optimizer after sharding. Returns (wrapped, optimizer)."""
+    scratch, fsdp2) and build the optimizer after sharding. Returns (wrapped, optimizer). Raises ValueError
+    for an unknown variant or parameters on a device the group's backend does not serve."""
     check_choice("variant", variant, VARIANTS)
     if variant == "ddp":
         return dp_data.build("ddp", module, ctx, lr=lr, group=group, **options)
@@ -493,13 +502,38 @@ def memory_rank(ctx, degrees=None, variants=VARIANTS, *, model: str = "lab-tiny-
     return rows
 
 
+def check_chapter(*, world_size, model: str = "lab-tiny-llama", global_batch_size=8, steps=3, seq_len=32) -> dict:
+    """Chapter 04's parameters, all checked before any launch (the chapter's first cell after its parameters).
+
+    world_size >= 2 (with one rank nothing is sharded: every stage holds the same bytes and sends nothing);
+    a known ``model`` small enough for the machine; ``steps`` >= 1; world_size divides ``global_batch_size``
+    (then so does every degree the memory sweep uses, each a divisor of world_size); ``seq_len`` within the
+    model's ``max_seq_len``. Returns the checked values. Raises ValueError naming the value and the fix.
+    """
+    from labkit.spec import get_spec
+
+    n = harness.check_world_size("04", world_size, why="with one rank nothing is sharded, so every stage holds "
+                                 "the same bytes and sends none")
+    spec = get_spec(model)
+    steps = positive_int("steps", steps)
+    local = dp_data.check_batch(n, global_batch_size, dp_name="world_size")
+    seq_len = positive_int("seq_len", seq_len)
+    if seq_len > spec.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds model {spec.name!r}'s max_seq_len={spec.max_seq_len}; "
+                         f"use seq_len <= {spec.max_seq_len}")
+    harness.check_fits_in_memory(spec, n, copies=2, what="chapter 04")
+    return {"world_size": n, "model": spec.name, "global_batch_size": global_batch_size, "local_batch_size": local,
+            "steps": steps, "seq_len": seq_len}
+
+
 def chapter_rank(ctx, runs: list[dict] | None = None, *, degrees=None, memory_variants=VARIANTS, **kwargs) -> dict:
     """Rank function for chapter 04, one launch: the variants trained side by side (:func:`run_rank` with
-    ``runs`` and ``kwargs``) and model-state bytes per degree (:func:`memory_rank`).
+    ``runs`` and ``kwargs``) and model-state bytes per degree (:func:`memory_rank`, with the same ``model``,
+    ``seq_len``, ``global_batch_size`` and ``seed`` as the training runs).
     Returns {"runs": [...], "memory": [...]}."""
     out = {"runs": run_rank(ctx, runs, **kwargs)}
-    out["memory"] = memory_rank(ctx, degrees, memory_variants, model=kwargs.get("model", "lab-tiny-llama"),
-                                seq_len=kwargs.get("seq_len", 32))
+    same = {k: kwargs[k] for k in ("model", "seq_len", "global_batch_size", "seed") if k in kwargs}
+    out["memory"] = memory_rank(ctx, degrees, memory_variants, **same)
     return out
 
 
@@ -508,12 +542,15 @@ def root_params(spec) -> int:
     return spec.embedding_params() + spec.norm_params() + spec.head_params()
 
 
-def predicted_table(model: str, degrees, variants=VARIANTS) -> pd.DataFrame:
+def predicted_table(model: str, degrees, variants=VARIANTS, *, rank: int = 0) -> pd.DataFrame:
     """Predicted model-state bytes per rank for each (degree, variant), from the lab's calculator:
     ``labkit.memory.train_memory`` with ``ParallelConfig(dp=degree, zero=stage)`` and convention "torch-fp32"
     (Rajbhandari et al. 2020, Figure 1, with 4 + 4 + 8 bytes per parameter and AdamW's 4-byte step counter
     per parameter tensor). Columns ``degree``, ``variant``, ``stage``, ``parameters``, ``gradients``,
-    ``optimizer``, ``optimizer_steps`` (the step counters inside ``optimizer``), ``model_states``.
+    ``optimizer``, ``optimizer_steps`` (the step counters inside ``optimizer``), ``model_states``; and the
+    same four for this implementation's layout on ``rank`` (of its group, ``rank % degree``) from
+    :func:`layout_bytes`, prefixed ``layout_`` (equal to the calculator's when d divides every size; else
+    they differ by the padding / uneven rows, and ZeRO's step counters are one per unit).
     Raises ValueError for an unknown model or variant."""
     from labkit import memory
     from labkit.spec import get_spec
@@ -528,15 +565,107 @@ def predicted_table(model: str, degrees, variants=VARIANTS) -> pd.DataFrame:
             est = memory.train_memory(spec, memory.ParallelConfig(dp=d, zero=STAGE_OF[v]), train, headroom=0.0,
                                       workspace_bytes=0)
             b = {k: est.categories[k] for k in ("parameters", "gradients", "optimizer")}
+            lay = layout_bytes(spec, d, v, rank % d)
             rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **b, "optimizer_steps": steps,
-                         "model_states": sum(b.values())})
+                         "model_states": sum(b.values()), **{f"layout_{k}": x for k, x in lay.items()}})
     return pd.DataFrame(rows)
 
 
+def _units(spec) -> list[list]:
+    """The parameter tensors (labkit.memory.param_tensors) grouped as :class:`ZeroDataParallel` groups them:
+    the root unit (everything outside the layers) first, then one unit per layer."""
+    from labkit import memory
+
+    tensors = memory.param_tensors(spec)
+    root = [t for t in tensors if t.layer is None]
+    layers = [[t for t in tensors if t.layer == i] for i in range(spec.n_layers)]
+    return [u for u in [root, *layers] if u]
+
+
+def _chunk(dim0: int, d: int, rank: int) -> int:
+    """Rows of a dim-0 shard as ``torch.chunk`` cuts them (FSDP2): ceil(dim0/d) each, the last ranks fewer."""
+    c = -(-dim0 // d)
+    return max(0, min(c, dim0 - rank * c))
+
+
+def layout_bytes(spec, degree: int, variant: str, rank: int = 0, bytes_per_element: int = 4) -> dict[str, int]:
+    """Predicted model-state bytes on ``rank`` of a group of ``degree`` ranks for *this implementation's*
+    layout, to the byte, where the paper's Ψ/d (and the calculator's per-tensor ceil(numel/d)) is the ideal:
+
+    * the lab's ZeRO pads each unit's flat buffer to a multiple of d and keeps k = padded/d elements per rank
+      (:class:`ZeroDataParallel`); stages 1-2 keep the full parameters as views of that buffer, and a rank's
+      shard view reaches into the padding on the last ranks, so the storage touched is max(numel, (r+1)·k);
+      AdamW keeps one 4-byte step counter per unit;
+    * FSDP2 cuts every parameter on dim 0 as ``torch.chunk`` does: ceil(dim0/d) rows each, the last ranks
+      fewer (uneven when d does not divide dim0); one step counter per parameter tensor;
+    * DDP holds everything.
+
+    fp32 parameters, gradients and AdamW's two moments (``bytes_per_element`` each), as
+    :func:`predicted_table`. Returns {"parameters", "gradients", "optimizer", "optimizer_steps"}.
+    Raises ValueError for an unknown variant, degree < 1 or rank outside 0..degree-1.
+    """
+    from labkit.spec import get_spec
+
+    spec = get_spec(spec) if isinstance(spec, str) else spec
+    check_choice("variant", variant, VARIANTS)
+    d = positive_int("degree", degree)
+    if not 0 <= rank < d:
+        raise ValueError(f"rank={rank} must be in 0..{d - 1} for degree={d}")
+    e = bytes_per_element
+    units = _units(spec)
+    tensors = [t for u in units for t in u]
+    full = sum(t.numel for t in tensors)
+    if variant == "ddp":
+        return {"parameters": e * full, "gradients": e * full, "optimizer": 2 * e * full + 4 * len(tensors),
+                "optimizer_steps": 4 * len(tensors)}
+    if variant == "fsdp2":
+        local = sum(_chunk(t.shape[0], d, rank) * (t.numel // t.shape[0]) for t in tensors)
+        return {"parameters": e * local, "gradients": e * local, "optimizer": 2 * e * local + 4 * len(tensors),
+                "optimizer_steps": 4 * len(tensors)}
+    stage = STAGE_OF[variant]
+    sizes = [sum(t.numel for t in u) for u in units]
+    ks = [-(-u // d) for u in sizes]
+    viewed = sum(max(u, (rank + 1) * k) for u, k in zip(sizes, ks))  # full params + this rank's shard view
+    shard = sum(ks)
+    return {"parameters": e * (shard if stage == 3 else viewed), "gradients": e * (viewed if stage == 1 else shard),
+            "optimizer": 2 * e * shard + 4 * len(units), "optimizer_steps": 4 * len(units)}
+
+
+def padded_params(spec, degree: int, variant: str) -> tuple[int, int]:
+    """(Ψ, Ψ_root) as the collectives of ``variant`` on ``degree`` ranks see them: each unit padded to a
+    multiple of d (the lab's ZeRO), each parameter's dim 0 padded to a multiple of d (FSDP2: every rank
+    all-gathers ceil(dim0/d) rows), unpadded for DDP. Equal to (``spec.n_params()``, :func:`root_params`)
+    when d divides every size. Raises ValueError for an unknown variant."""
+    from labkit.spec import get_spec
+
+    spec = get_spec(spec) if isinstance(spec, str) else spec
+    check_choice("variant", variant, VARIANTS)
+    d = positive_int("degree", degree)
+    units = _units(spec)
+    if variant == "ddp":
+        sizes = [sum(t.numel for t in u) for u in units]
+    elif variant == "fsdp2":
+        sizes = [sum(-(-t.shape[0] // d) * d * (t.numel // t.shape[0]) for t in u) for u in units]
+    else:
+        sizes = [-(-sum(t.numel for t in u) // d) * d for u in units]
+    root = sizes[0] if units[0][0].layer is None else 0
+    return sum(sizes), root
+
+
+#: comm_table's byte columns, each named for where its number comes from
+PAYLOAD = "payload S (measured: what the code issued)"
+RING = "ring bytes (model: S x factor)"
+PREDICTED = "ring bytes (predicted: formula of Ψ)"
+
+
 def comm_table(results, model: str) -> pd.DataFrame:
-    """Measured bytes per rank per step by collective for every run of a :func:`run_rank` /
-    :func:`chapter_rank` launch, beside :func:`predicted_comm_bytes` (with the root unit kept gathered).
-    Columns: ``label``, ``op``, ``calls`` (measured, per step), ``measured_bytes``, ``predicted_bytes``."""
+    """Bytes per rank per step by collective for every run of a :func:`run_rank` / :func:`chapter_rank`
+    launch. Columns: ``label``, ``op``, ``calls`` (measured, per step), :data:`PAYLOAD` (measured: the S the
+    code passed to the collectives, CommLog), :data:`RING` (model: each S times its ring factor),
+    :data:`PREDICTED` (:func:`predicted_comm_bytes` with the root unit kept gathered, Ψ and Ψ_root padded as
+    the variant pads them: :func:`padded_params`). :data:`RING` equals :data:`PREDICTED` exactly when the code
+    issued the predicted collectives; the bytes gloo actually wrote are per run, in
+    :func:`labkit.parallel.harness.summarize`."""
     from labkit.spec import get_spec
 
     spec = get_spec(model)
@@ -545,10 +674,10 @@ def comm_table(results, model: str) -> pd.DataFrame:
     rows = []
     for r in runs[0]:
         m = r.get("n_microbatches", 1)
-        pred = predicted_comm_bytes(STAGE_OF[r["variant"]], n, spec.n_params(), root_params=root_params(spec),
-                                    n_microbatches=m)
+        psi, root = padded_params(spec, n, r["variant"])
+        pred = predicted_comm_bytes(STAGE_OF[r["variant"]], n, psi, root_params=root, n_microbatches=m)
         for op in sorted(set(pred) | set(r["comm"])):
-            c = r["comm"].get(op, {"calls": 0.0, "bytes_per_rank": 0.0})
-            rows.append({"label": r["label"], "op": op, "calls": c["calls"], "measured_bytes": c["bytes_per_rank"],
-                         "predicted_bytes": pred.get(op, 0.0)})
+            c = r["comm"].get(op, {"calls": 0.0, "nbytes": 0.0, "bytes_per_rank": 0.0})
+            rows.append({"label": r["label"], "op": op, "calls": c["calls"], PAYLOAD: c["nbytes"],
+                         RING: c["bytes_per_rank"], PREDICTED: pred.get(op, 0.0)})
     return pd.DataFrame(rows)
