@@ -409,6 +409,9 @@ def _raise_failure(ranks, run_dir, world_size, codes, elapsed) -> None:
 
 def _raise_timeout(ranks, run_dir, world_size, timeout_s, elapsed) -> None:
     alive = [r for r in ranks if r.proc.poll() is None]
+    # snapshot what each rank had reached at the deadline: a slow start-up may finish during the stack wait below
+    done = [r.rank for r in ranks if (run_dir / f"result_{r.rank}.pkl").exists()]
+    not_started = [r.rank for r in alive if not (run_dir / f"started_{r.rank}").exists()]
     for r in alive:
         try:
             os.kill(r.proc.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
@@ -423,8 +426,6 @@ def _raise_timeout(ranks, run_dir, world_size, timeout_s, elapsed) -> None:
     for r in alive:
         p = run_dir / f"stack_{r.rank}.txt"
         stacks[r.rank] = p.read_text().strip() if p.exists() else ""
-    done = [r.rank for r in ranks if (run_dir / f"result_{r.rank}.pkl").exists()]
-    not_started = [r.rank for r in alive if not (run_dir / f"started_{r.rank}").exists()]
     head = (f"launch timed out after {timeout_s:g} s: rank(s) {', '.join(str(r.rank) for r in alive)} of "
             f"{world_size} still running" + (f"; rank(s) {', '.join(map(str, done))} had finished" if done else ""))
     if not_started:

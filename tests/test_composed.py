@@ -74,7 +74,7 @@ def test_compare_fails_on_a_wrong_result(result):
 
 @pytest.mark.parametrize("runs, err, match", [
     ([{"kind": "dp_tp", "dp": 2, "tp": 4}], MeshError, r"world_size=4 != dp\*tp\*pp\*cp = 2\*4\*1\*1 = 8"),
-    ([{"kind": "dp_tp", "dp": 1, "tp": 4}], MeshError, r"tp=4 does not divide n_kv_heads=2"),
+    ([{"kind": "dp_tp", "dp": 1, "tp": 4}], MeshError, r"kind=.dp_tp.: tp=4 does not divide n_kv_heads=2"),
     ([{"kind": "pp_dp", "pp": 2, "dp": 2, "tp": 2}], ValueError, "composes pp and dp only"),
     ([{"kind": "nope"}], ValueError, "kind='nope' is not valid"),
 ])

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.checks import check_choice, check_divides, positive_int
+from labkit.checks import check_choice, check_divides, divisors, positive_int
 from labkit.measure import model_state_bytes
-from labkit.mesh import ParallelDims
+from labkit.mesh import MeshError, ParallelDims, Violation
 from labkit.models import SyntheticLM, Transformer, build_model, lm_loss, make_optimizer, train_reference
 from labkit.parallel.harness import local_batch, train_steps
 from labkit.spec import ModelSpec, get_spec
@@ -84,6 +84,13 @@ def check_runs(runs, world_size: int, spec: ModelSpec, *, global_batch_size: int
         mbs = global_batch_size // (dims.dp * n_microbatches) if m else global_batch_size // dims.dp
         dims.check(spec, seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=max(1, mbs),
                    n_microbatches=m if m else 1)
+        if run["kind"] == "dp_tp" and spec.n_kv_heads % dims.tp:
+            # ParallelDims accepts replicated kv heads (n_kv_heads | tp), which the hand TP implements; the DTensor
+            # plan here shards wk/wv by columns, so it needs whole kv heads per rank
+            raise MeshError([Violation("tp_kv_heads", (
+                f"kind='dp_tp': tp={dims.tp} does not divide n_kv_heads={spec.n_kv_heads} (the DTensor plan "
+                "splits wk/wv by columns, whole kv heads per rank); use kind='dp_tp_hand', which replicates kv "
+                f"heads, or tp in {divisors(spec.n_kv_heads)}"))])
         if run["kind"] == "pp_dp" and spec.tied_embeddings:
             raise ValueError(f"kind='pp_dp' needs an untied output head ({spec.name!r} ties it to the embedding, "
                              "which would live on two stages); use a model with tied_embeddings=False, e.g. "
