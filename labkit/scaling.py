@@ -236,6 +236,33 @@ def _jobs(experiments, kwargs: dict) -> list[dict]:
     return [{"experiment": exp, "kwargs": dict(kw or {})} for exp, kw in items]
 
 
+def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total: int, weak_per_rank: int,
+                  matmul_size: int, repeats: int, threads_per_rank: int, backend: str) -> list[int]:
+    """Validate chapter 11's parameters before anything is launched (the chapter's first code cell). Returns the
+    world sizes of the series: 1, 2, 4, ... up to ``world_size``.
+
+    Raises ValueError naming the value and the fix: world_size < 2 (a series needs two points), sizes < 1, a
+    world size of the series not dividing ``strong_total`` (:func:`cases_for`), an unknown model, a model this
+    machine's memory cannot hold on world_size ranks, or a backend the machine cannot run."""
+    from labkit.launcher import resolve_backend
+    from labkit.parallel.harness import check_fits_in_memory, check_world_size
+    from labkit.spec import get_spec
+
+    world_size = check_world_size("11", world_size, why="a scaling series needs at least two world sizes")
+    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world_size]
+    for name, value in (("seq_len", seq_len), ("matmul_size", matmul_size), ("repeats", repeats),
+                        ("threads_per_rank", threads_per_rank)):
+        positive_int(name, value)
+    for n in sizes:
+        cases_for(n, strong_total=strong_total, weak_per_rank=weak_per_rank)
+    spec = get_spec(model)
+    if seq_len > spec.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds {model}'s max_seq_len={spec.max_seq_len}; use at most that")
+    check_fits_in_memory(spec, max(sizes), copies=1, what="chapter 11's training series")
+    resolve_backend(backend, max(sizes))
+    return sizes
+
+
 def run(experiments="train", world_sizes: Sequence[int] = (1, 2, 4), *, strong_total: int | None = None,
         weak_per_rank: int | None = None, warmup: int = 1, repeats: int = 3, threads_per_rank: int | None = None,
         backend: str = "auto", timeout_s: float = 300.0, baseline_world_size: int | None = None,

@@ -683,6 +683,45 @@ def make_plan(world_size: int, *, model: str | None = None, n_requests: int = 16
     return plan
 
 
+def check_chapter(*, world_size: int, model: str | None, n_requests: int, short_prompt: int, long_prompt: int,
+                  output_len: int, ramp, cancel_step: int | None, lose_at_step: int | None, detect_timeout_s: float,
+                  backend: str, big_model: str, gpus: int, gpu: str, concurrency_gpu: int, prompt_len_gpu: int,
+                  output_len_gpu: int) -> dict:
+    """Validate chapter 10's parameters before anything is launched (the chapter's first code cell). Returns
+    ``{"model", "plan", "backend"}``: the model name (``model`` or :func:`default_model`), :func:`make_plan`'s
+    plan and the backend the launch will use.
+
+    Raises ValueError naming the value and the fix: world_size < 2 (replicas vs TP needs two ranks to split or
+    replicate over), anything :func:`make_plan` refuses (tp = world_size not dividing the model's heads or kv
+    heads, a concurrency that is not a multiple of world_size, a request longer than the model's max_seq_len,
+    steps < 1), a model this machine's memory cannot hold, a backend the machine cannot run, and what
+    :func:`predict_deployments` refuses (unknown big model or GPU, sizes < 1)."""
+    from labkit.launcher import resolve_backend
+    from labkit.parallel.harness import check_fits_in_memory, check_world_size
+
+    world_size = check_world_size("10", world_size, why="replicas vs tensor parallelism on the same ranks")
+    model = model or default_model(world_size)
+    try:
+        check_tp(get_spec(model), world_size)
+    except ValueError as e:
+        raise ValueError(f"chapter 10 runs tp = world_size={world_size} on {model}: {e}") from None
+    plan = make_plan(world_size, model=model, n_requests=positive_int("n_requests", n_requests),
+                     short_prompt=positive_int("short_prompt", short_prompt),
+                     long_prompt=positive_int("long_prompt", long_prompt),
+                     output_len=positive_int("output_len", output_len), ramp=ramp, cancel_step=cancel_step,
+                     lose_at_step=lose_at_step, detect_timeout_s=detect_timeout_s)
+    for name, step in (("cancel_step", cancel_step), ("lose_at_step", lose_at_step)):
+        if step is not None and step >= output_len:
+            raise ValueError(f"{name}={step} must be below output_len={output_len}, so that the first requests are "
+                             f"still decoding at that step: use 1 to {output_len - 1}, or None to skip it")
+    check_fits_in_memory(plan["model"], world_size, copies=1, what="chapter 10's serving runs")
+    predict_deployments(big_model, gpus=positive_int("gpus", gpus), gpu=gpu,
+                        concurrency=positive_int("concurrency_gpu", concurrency_gpu),
+                        prompt_len=positive_int("prompt_len_gpu", prompt_len_gpu),
+                        output_len=positive_int("output_len_gpu", output_len_gpu))
+    return {"model": plan["model"], "plan": plan, "backend": resolve_backend(backend, world_size)}
+
+
 def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0, **kwargs) -> dict:
     """Launch every serving experiment once on ``world_size`` ranks and return tables (all *measured*):
 
