@@ -95,8 +95,10 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
         papermill.execute_notebook(str(path), str(output), parameters=applied, kernel_name=kernel_name,
                                    execution_timeout=cell_timeout_s, cwd=str(path.parent), progress_bar=False,
                                    log_output=False,
-                                   # the kernel's own start-up chatter (e.g. ipykernel 7's TCP warning) is noise here
-                                   extra_arguments=["--IPKernelApp.log_level=ERROR"])
+                                   # kernel chatter is noise here: ipykernel 7's TCP warning at start-up, and
+                                   # "KeyboardInterrupt caught in kernel" when jupyter_client interrupts the
+                                   # kernel before every shutdown; a cell's errors reach its outputs anyway
+                                   extra_arguments=["--IPKernelApp.log_level=CRITICAL"])
     except PapermillExecutionError as e:
         status = "failed"
         error = f"cell {e.exec_count}: {e.ename}: {e.evalue}".strip()
