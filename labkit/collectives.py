@@ -20,7 +20,6 @@ reduce_scatter: the full input; all_to_all: the whole send buffer); ``count`` = 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from labkit import records
 from labkit.checks import check_choice, positive_int
 from labkit.costmodel import (  # noqa: F401 - re-exported: the sweep's formulas
     FACTOR_TEXT,
@@ -643,13 +643,7 @@ def reference_dir() -> Path:
 def write_reference(df: pd.DataFrame, identity: dict, path: str | Path) -> Path:
     """Write a recorded sweep (format :data:`REFERENCE_FORMAT`: ``{"format", "identity", "rows"}``),
     atomically. Returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    doc = {"format": REFERENCE_FORMAT, "identity": identity, "rows": to_rows(df)}
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, path)
-    return path
+    return records.write_reference_doc(to_rows(df), identity, path, REFERENCE_FORMAT)
 
 
 def load_reference(path: str | Path | None = None) -> pd.DataFrame:
@@ -659,21 +653,7 @@ def load_reference(path: str | Path | None = None) -> pd.DataFrame:
     elsewhere*. When there is no file, an empty frame whose ``attrs["status"]`` is :data:`NO_REFERENCE`
     (never invented numbers). Raises ValueError for a file in another format."""
     files = [Path(path)] if path is not None else sorted(reference_dir().glob("*.json"))
-    frames = []
-    for f in files:
-        doc = json.loads(f.read_text())
-        if doc.get("format") != REFERENCE_FORMAT:
-            raise ValueError(f"{f}: format={doc.get('format')!r} is not valid; expected {REFERENCE_FORMAT!r}")
-        ident = doc.get("identity", {})
-        gpus = ident.get("gpus") or ["?"]
-        frames.append(pd.DataFrame(doc["rows"]).assign(source=f.name, gpu=gpus[0]))
-    if not frames:
-        df = pd.DataFrame(columns=[*ROW_FIELDS, "source", "gpu"])
-        df.attrs["status"] = NO_REFERENCE
-        return df
-    df = pd.concat(frames, ignore_index=True)
-    df.attrs["status"] = f"recorded elsewhere: {', '.join(f.name for f in files)}"
-    return df
+    return records.load_reference_frames(files, REFERENCE_FORMAT, columns=list(ROW_FIELDS), no_reference=NO_REFERENCE)
 
 
 # ------------------------------------------------------------------------------------------------------

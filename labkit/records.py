@@ -188,3 +188,41 @@ def list_runs(root: str | Path | None = None, experiment: str | None = None) -> 
 # ``records.list`` as the design names it. Nothing in this module may call the builtin ``list`` (module
 # globals are looked up at call time); tests/test_records.py exercises every path.
 list = list_runs  # noqa: A001
+
+
+# ------------------------------------------------------------------------------------------------------
+# recorded references (GPU runs measured elsewhere and committed under data/reference/<kind>/)
+# ------------------------------------------------------------------------------------------------------
+def write_reference_doc(rows: list[dict], identity: dict, path: str | Path, fmt: str) -> Path:
+    """Write ``{"format": fmt, "identity", "rows"}`` as JSON to ``path``, atomically (a temporary file
+    renamed). Used by labkit.collectives and labkit.scaling; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"format": fmt, "identity": identity, "rows": rows}, indent=1, default=float))
+    os.replace(tmp, path)
+    return path
+
+
+def load_reference_frames(files: list[Path], fmt: str, *, columns: list[str], no_reference: str,
+                          transform=None) -> pd.DataFrame:
+    """Read reference documents written by :func:`write_reference_doc`: the rows of every file (``transform``
+    applied to each file's frame) with ``source`` (file name) and ``gpu`` (the identity's first GPU), and
+    ``attrs["status"]`` saying they were recorded elsewhere. No files: an empty frame of ``columns`` plus
+    ``source`` and ``gpu`` whose status is ``no_reference`` (never invented numbers). Raises ValueError for
+    a file whose ``format`` is not ``fmt``."""
+    frames = []
+    for f in files:
+        doc = json.loads(Path(f).read_text())
+        if doc.get("format") != fmt:
+            raise ValueError(f"{f}: format={doc.get('format')!r} is not valid; expected {fmt!r}")
+        gpus = doc.get("identity", {}).get("gpus") or ["?"]
+        df = pd.DataFrame(doc["rows"])
+        frames.append((transform(df) if transform else df).assign(source=Path(f).name, gpu=gpus[0]))
+    if not frames:
+        df = pd.DataFrame(columns=[*columns, "source", "gpu"])
+        df.attrs["status"] = no_reference
+        return df
+    df = pd.concat(frames, ignore_index=True)
+    df.attrs["status"] = f"recorded elsewhere: {', '.join(Path(f).name for f in files)}"
+    return df

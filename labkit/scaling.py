@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from labkit import records
 from labkit.checks import check_choice, check_divides, positive_int
 from labkit.paths import data_dir
 
@@ -442,14 +443,8 @@ def write_reference(df: pd.DataFrame, identity: dict, path: str | Path) -> Path:
     """Write a measured GPU series as a recorded reference (``{"format", "identity", "rows"}``, format
     :data:`REFERENCE_FORMAT`), atomically. ``identity`` should name the GPUs, nodes, torch/NCCL versions and
     the git sha (:func:`labkit.collectives.run_identity`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     keep = [c for c in df.columns if c in ROW_FIELDS or c in ("tokens", "flops", "sequences", "matmuls", "n_nodes")]
-    doc = {"format": REFERENCE_FORMAT, "identity": identity, "rows": df[keep].to_dict("records")}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=float))
-    os.replace(tmp, path)
-    return path
+    return records.write_reference_doc(df[keep].to_dict("records"), identity, path, REFERENCE_FORMAT)
 
 
 def load_reference(path: str | Path | None = None) -> pd.DataFrame:
@@ -458,17 +453,5 @@ def load_reference(path: str | Path | None = None) -> pd.DataFrame:
     is none, an empty frame whose ``attrs["status"]`` is :data:`NO_REFERENCE`. Raises ValueError for a file
     in another format."""
     files = [Path(path)] if path is not None else sorted(reference_dir().glob("*.json"))
-    frames = []
-    for f in files:
-        doc = json.loads(f.read_text())
-        if doc.get("format") != REFERENCE_FORMAT:
-            raise ValueError(f"{f}: format={doc.get('format')!r} is not valid; expected {REFERENCE_FORMAT!r}")
-        gpus = doc.get("identity", {}).get("gpus") or ["?"]
-        frames.append(efficiency(pd.DataFrame(doc["rows"])).assign(source=f.name, gpu=gpus[0]))
-    if not frames:
-        df = pd.DataFrame(columns=[*ROW_FIELDS, "speedup", "efficiency", "source", "gpu"])
-        df.attrs["status"] = NO_REFERENCE
-        return df
-    df = pd.concat(frames, ignore_index=True)
-    df.attrs["status"] = f"recorded elsewhere: {', '.join(f.name for f in files)}"
-    return df
+    return records.load_reference_frames(files, REFERENCE_FORMAT, columns=[*ROW_FIELDS, "speedup", "efficiency"],
+                                         no_reference=NO_REFERENCE, transform=efficiency)
