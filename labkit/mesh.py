@@ -250,7 +250,7 @@ class ParallelDims:
                                     ("tp_ffn", "ffn_hidden_size")):
                 out += _divides(rule, "tp", self.tp, size_name, getattr(spec, size_name))
             if spec.n_kv_heads % self.tp and self.tp % spec.n_kv_heads:
-                # the same rule as labkit.memory.kv_heads_per_rank and labkit.parallel.tensor (split or replicate)
+                # the rule of labkit.memory.kv_heads_per_rank (labkit.parallel.tensor uses it too): split or replicate
                 valid = [d for d in divisors(spec.n_heads) if spec.n_kv_heads % d == 0 or d % spec.n_kv_heads == 0]
                 out.append(Violation("tp_kv_heads", f"[tp_kv_heads] tp={self.tp} neither divides n_kv_heads="
                                      f"{spec.n_kv_heads} (to split the kv heads) nor is a multiple of it (to "

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.checks import check_choice, check_divides, divisors, positive_float, positive_int
+from labkit.checks import check_choice, check_divides, positive_float, positive_int
 from labkit.commlog import CommLog, all_gather_tensor, bus_factor, reduce_scatter_tensor
 from labkit.models import (
     TOLERANCES,
@@ -655,14 +655,10 @@ def _unchecked_vocab_parallel_ce(logits: torch.Tensor, targets: torch.Tensor, gr
 def kv_plan(n_heads: int, n_kv_heads: int, tp: int) -> str:
     """``"split"`` when tp divides n_kv_heads, ``"replicate"`` when n_kv_heads < tp and divides it (each kv
     head is kept by the tp/n_kv_heads ranks whose query heads use it). Raises ValueError otherwise."""
-    check_divides("tp", tp, "n_heads", n_heads)
-    if n_kv_heads % tp == 0:
-        return "split"
-    if tp % n_kv_heads == 0:
-        return "replicate"
-    valid = [d for d in divisors(n_heads) if n_kv_heads % d == 0 or d % n_kv_heads == 0]
-    raise ValueError(f"tp={tp} neither divides n_kv_heads={n_kv_heads} (to split the kv heads) nor is a "
-                     f"multiple of it (to replicate them); valid tp: {', '.join(map(str, valid))}")
+    from labkit.memory import kv_heads_per_rank
+
+    kv_heads_per_rank(n_heads, n_kv_heads, tp)  # the one rule (memory, mesh, this module); raises ValueError
+    return "split" if n_kv_heads % tp == 0 else "replicate"
 
 
 def _shard_rows(linear: nn.Linear, start: int, size: int, group, info: ShardInfo, kv_slot=None) -> nn.Linear:
