@@ -242,18 +242,25 @@ def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total: in
     """Validate chapter 11's parameters before anything is launched (the chapter's first code cell). Returns the
     world sizes of the series: 1, 2, 4, ... up to ``world_size``.
 
-    Raises ValueError naming the value and the fix: world_size < 2 (a series needs two points), sizes < 1, a
-    world size of the series not dividing ``strong_total`` (:func:`cases_for`), an unknown model, a model this
-    machine's memory cannot hold on world_size ranks, or a backend the machine cannot run."""
+    Raises ValueError naming the value and the fix: world_size < 2 (a series needs two points) or not a power
+    of two, sizes < 1, ``strong_total`` not a multiple of world_size (every size of the series splits it),
+    an unknown model, a model this machine's memory cannot hold on world_size ranks, or a backend the machine
+    cannot run."""
     from labkit.launcher import resolve_backend
     from labkit.parallel.harness import check_fits_in_memory, check_world_size
     from labkit.spec import get_spec
 
     world_size = check_world_size("11", world_size, why="a scaling series needs at least two world sizes")
     sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world_size]
+    if sizes[-1] != world_size:
+        raise ValueError(f"chapter 11's series doubles the world size (1, 2, 4, ...): world_size={world_size} is not "
+                         f"in it; use {sizes[-1]} or {2 * sizes[-1]}")
     for name, value in (("seq_len", seq_len), ("matmul_size", matmul_size), ("repeats", repeats),
                         ("threads_per_rank", threads_per_rank)):
         positive_int(name, value)
+    if positive_int("strong_total", strong_total) % world_size:
+        raise ValueError(f"strong_total={strong_total} must split evenly over every world size of the series "
+                         f"{sizes}, i.e. be a multiple of {world_size}: use {world_size}, {2 * world_size}, ...")
     for n in sizes:
         cases_for(n, strong_total=strong_total, weak_per_rank=weak_per_rank)
     spec = get_spec(model)
@@ -372,25 +379,38 @@ def predict_train(model: str = "lab-tiny-llama", world_sizes: Sequence[int] = (1
     return pd.DataFrame(rows)
 
 
-def measure_peak(n: int = 768, repeats: int = 10, tries: int = 2) -> dict:
+def measure_peak(n: int = 768, repeats: int = 10, tries: int = 3) -> dict:
     """The machine's measured dense float32 matmul peak (:func:`labkit.models.measure_matmul_peak`: best of
     ``repeats``; here also best of ``tries`` such calls, since a peak is what the machine can do when nothing
-    else runs) with 1 thread and with every core, in this process: ``{"cores", "flops_1_thread",
-    "flops_all_cores"}`` (FLOP/s, *measured*). Restores the thread count afterwards."""
+    else runs), in this process. Returns (FLOP/s, *measured* unless said otherwise):
+
+    * ``flops_1_thread`` — one core alone; ``flops_all_cores`` — every core together (one process, ``cores``
+      threads; lower than ``cores`` x one core when something else runs, or when cores slow down together);
+    * ``flops_machine`` — the MFU denominator: the larger of ``flops_all_cores`` and ``cores x flops_1_thread``
+      (*derived*: no rank of a series can beat its core's peak, so an MFU against this stays <= 1 up to
+      timing noise, whatever else ran while the all-cores peak was measured); ``machine_basis`` says which.
+
+    Restores the thread count afterwards."""
     import torch
 
     from labkit.models import measure_matmul_peak
 
     cores = _cores()
+    tries = positive_int("tries", tries)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = max(measure_matmul_peak("cpu", n=n, repeats=repeats) for _ in range(positive_int("tries", tries)))
+        one = max(measure_matmul_peak("cpu", n=n, repeats=repeats) for _ in range(tries))
         torch.set_num_threads(cores)
         full = max(measure_matmul_peak("cpu", n=n, repeats=repeats) for _ in range(tries))
     finally:
         torch.set_num_threads(before)
-    return {"cores": cores, "flops_1_thread": one, "flops_all_cores": max(full, one)}
+    if full >= cores * one:
+        machine, basis = full, f"all {cores} cores together (measured)"
+    else:
+        machine, basis = cores * one, f"{cores} cores x one core alone (measured 1-thread peak x {cores})"
+    return {"cores": cores, "flops_1_thread": one, "flops_all_cores": full, "flops_machine": machine,
+            "machine_basis": basis}
 
 
 def with_mfu(df: pd.DataFrame, peak_flops: float, label: str = "machine peak (measured)") -> pd.DataFrame:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import plotly.graph_objects as go
 
 from labkit import memory as mem
-from labkit.checks import check_choice
+from labkit.checks import check_choice, positive_int
 
 #: one colour per memory category, shared by every memory figure
 CATEGORY_COLORS = {
@@ -237,18 +237,27 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
     gpu_names = planner.plannable_gpus()
     check_choice("gpu", gpu, gpu_names)
     pow2 = [2**k for k in range(0, 15)]
-    check_choice("gpus", gpus, pow2)
+    start = {"gpus": positive_int("gpus", gpus),
+             "gpus_per_node": positive_int("gpus_per_node", defaults.get("gpus_per_node", 8)),
+             "seq_len": positive_int("seq_len", defaults.get("seq_len", 8192)),
+             "global_batch_size": positive_int("global_batch_size", defaults.get("global_batch_size", 1024))}
+
+    def options(base, name):  # the slider's stops, plus the caller's value where it is not one of them
+        return sorted(set(base) | {start[name]})
+
     style = {"description_width": "130px"}
     ctl = {
         "model": w.Dropdown(options=models, value=model, description="model", style=style),
-        "gpus": w.SelectionSlider(options=pow2, value=gpus, description="GPUs", style=style),
+        "gpus": w.SelectionSlider(options=options(pow2, "gpus"), value=start["gpus"], description="GPUs",
+                                  style=style),
         "gpu": w.Dropdown(options=gpu_names, value=gpu, description="GPU", style=style),
-        "gpus_per_node": w.SelectionSlider(options=[1, 2, 4, 8], value=defaults.get("gpus_per_node", 8),
-                                           description="GPUs per node", style=style),
-        "seq_len": w.SelectionSlider(options=[1024, 2048, 4096, 8192, 16384, 32768, 131072],
-                                     value=defaults.get("seq_len", 8192), description="sequence", style=style),
-        "global_batch_size": w.SelectionSlider(options=pow2[3:], value=defaults.get("global_batch_size", 1024),
-                                               description="global batch (seqs)", style=style),
+        "gpus_per_node": w.SelectionSlider(options=options([1, 2, 4, 8], "gpus_per_node"),
+                                           value=start["gpus_per_node"], description="GPUs per node", style=style),
+        "seq_len": w.SelectionSlider(options=options([1024, 2048, 4096, 8192, 16384, 32768, 131072], "seq_len"),
+                                     value=start["seq_len"], description="sequence", style=style),
+        "global_batch_size": w.SelectionSlider(options=options(pow2[3:], "global_batch_size"),
+                                               value=start["global_batch_size"], description="global batch (seqs)",
+                                               style=style),
         "zero": w.IntSlider(min=0, max=3, value=defaults.get("zero", 1), description="ZeRO stage", style=style),
         "mfu": w.FloatSlider(min=0.1, max=0.9, step=0.05, value=defaults.get("mfu", planner.DEFAULT_MFU),
                              description="assumed kernel MFU", style=style),

@@ -106,3 +106,30 @@ def test_real_series_one_and_two_ranks():
     tl = df.attrs["timelines"][2]
     assert set(tl["rank"]) == {0, 1}
     assert tl.groupby("rank").size().tolist() == [2 * 2 * 2] * 2  # experiments x modes x repeats per rank
+
+
+def test_measured_peak_gives_an_mfu_denominator_no_rank_can_beat():
+    peak = scaling.measure_peak(n=128, repeats=2, tries=1)
+    assert peak["flops_1_thread"] > 0 and peak["flops_all_cores"] > 0
+    # the denominator is the larger of the two bases, and says which it is
+    assert peak["flops_machine"] == max(peak["flops_all_cores"], peak["cores"] * peak["flops_1_thread"])
+    assert ("together" in peak["machine_basis"]) == (peak["flops_machine"] == peak["flops_all_cores"])
+    with pytest.raises(ValueError, match="tries=0"):
+        scaling.measure_peak(tries=0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"world_size": 1}, r"chapter 11 needs world_size >= 2"),
+    ({"world_size": 3}, r"world_size=3 is not in it; use 2 or 4"),
+    ({"strong_total": 6}, r"strong_total=6 must split evenly over every world size of the series \[1, 2, 4\]"),
+    ({"repeats": 0}, r"repeats=0"),
+    ({"matmul_size": 0}, r"matmul_size=0"),
+    ({"seq_len": 10_000}, r"max_seq_len"),
+    ({"model": "nope"}, r"unknown model"),
+])
+def test_chapter_11_refuses_bad_parameters_before_any_launch(bad, match):
+    ok = dict(world_size=4, model="lab-tiny-llama", seq_len=32, strong_total=8, weak_per_rank=4, matmul_size=512,
+              repeats=5, threads_per_rank=1, backend="auto")
+    assert scaling.check_chapter(**ok) == [1, 2, 4]
+    with pytest.raises(ValueError, match=match):
+        scaling.check_chapter(**{**ok, **bad})

@@ -471,13 +471,16 @@ def compare(per_rank: list[list[dict]], spec: ModelSpec | str = "lab-tiny-llama"
                 memory.append({"run": label, "rank": rank, "stage": r["stage"], "category": cat,
                                "measured_bytes": measured, "predicted_bytes": pred[cat],
                                "equal": measured == pred[cat]})
-        steps = [s for r in rows for s in r["step_s"][1:]] or [s for r in rows for s in r["step_s"]]
-        timing.append({"run": label, "step_s_median": float(torch.tensor(steps).median()),
+        warm = len(rows[0]["step_s"]) > 1  # the first step (warm-up) is left out when there is another
+        steps = [s for r in rows for s in (r["step_s"][1:] if warm else r["step_s"])]
+        timing.append({"run": label, "step_s": float(torch.tensor(steps).median()), "statistic": "median",
                        "step_s_min": min(steps), "step_s_max": max(steps), "ranks": len(rows),
-                       "note": "measured, ranks started together, first step (warm-up) excluded"})
-    timing.append({"run": "reference (1 process)", "step_s_median": ref["seconds"] / ref["steps"],
+                       "note": "measured, ranks started together, " + (
+                           "first step (warm-up) excluded" if warm else "the only step: includes warm-up")})
+    timing.append({"run": "reference (1 process)", "step_s": ref["seconds"] / ref["steps"], "statistic": "mean",
                    "step_s_min": None, "step_s_max": None, "ranks": 1,
-                   "note": "measured, mean over all steps of train_reference"})
+                   "note": f"measured, wall time of all {ref['steps']} steps of train_reference / {ref['steps']} "
+                           "(includes the first)"})
     return pd.DataFrame(parity), pd.DataFrame(groups), pd.DataFrame(timing), pd.DataFrame(memory)
 
 
