@@ -30,7 +30,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check labkit tests benchmarks
 
 bench: $(STAMP)
-	for b in benchmarks/*.py; do case $$b in *record_gpu_*) continue;; esac; echo "== $$b"; $(PY) $$b || exit 1; done
+	@rc=0; for b in benchmarks/*.py; do case $$b in *record_gpu_*) continue;; esac; echo "== $$b"; \
+		$(PY) $$b || { echo "!! $$b missed its goal or failed"; rc=1; }; done; exit $$rc
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
