@@ -483,8 +483,10 @@ def enumerate_dims(world_size: int, *, max_tp: int | None = None, max_pp: int | 
                    max_cp: int | None = None, ep_choices=(1,)) -> list[ParallelDims]:
     """Every (dp, tp, pp, cp, ep) with dp·tp·pp·cp = world_size and ep dividing dp·cp (ep from ``ep_choices``),
     tp/pp/cp optionally capped. Model rules are not checked here (see :meth:`ParallelDims.violations`).
-    O(d(world)^3) candidates: 680 for 16,384 ranks with ep=1."""
+    O(d(world)^3) candidates: 680 for 16,384 ranks with ep=1. Raises ValueError for a cap < 1 (None: no cap)."""
     world_size = positive_int("world_size", world_size)
+    max_tp, max_pp, max_cp = (None if v is None else positive_int(n, v)
+                              for n, v in (("max_tp", max_tp), ("max_pp", max_pp), ("max_cp", max_cp)))
     out = []
     divs = divisors(world_size)
     for tp in divs:
