@@ -870,7 +870,7 @@ def ramp_findings(summary: pd.DataFrame) -> list[str]:
         top = g.iloc[-1]
         out.append(f"{mode}: " + "; ".join([
             _trend("TTFT p50", c, list(g["ttft_p50_s"]), ".3f", "s"),
-            _trend("TPS p50 per request", c, list(g["tps_p50"]), ".0f", "tok/s"),
+            _trend("TPS p50 per request", c, list(g["tps_p50"]), ".1f", "tok/s"),
             _trend("total throughput", c, list(g["throughput_tok_s"]), ".0f", "tok/s")])
             + f"; at concurrency {top['concurrency']} TPS p95 was {top['tps_p95'] / top['tps_p50']:.0%} of p50 "
               "(measured).")
