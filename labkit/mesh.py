@@ -107,6 +107,18 @@ def _divides(rule: str, degree_name: str, degree: int, size_name: str, size: int
     return []
 
 
+def _merge_by_rule(violations: list[Violation]) -> list[Violation]:
+    """One :class:`Violation` per rule, in first-seen order: two failures of the same rule (tp_ffn for the dense
+    and the expert ffn of a MoE model) become one whose message joins both."""
+    merged: dict[str, Violation] = {}
+    for v in violations:
+        if v.rule in merged:
+            merged[v.rule] = Violation(v.rule, f"{merged[v.rule].message}; {v.message}")
+        else:
+            merged[v.rule] = v
+    return list(merged.values())
+
+
 def dim_placement(degree: int, stride: int, gpus_per_node: int) -> dict | None:
     """How the groups of one grid dimension sit on nodes of ``gpus_per_node`` ranks, from the group's
     ``degree`` and its rank ``stride`` (ranks ``base + k·stride``, k < degree; groups start at multiples of
@@ -243,7 +255,8 @@ class ParallelDims:
         """Every rule of :data:`RULES` these dims break for ``spec`` (a :class:`~labkit.spec.ModelSpec`, or None
         to skip the model rules), ``seq_len`` (rule cp_seq), the batch (``global_batch_size`` sequences per
         step = dp · micro_batch_size · n_microbatches; n_microbatches None -> derived) and ``gpus_per_node``
-        (node_alignment). Empty when valid. Raises ValueError only for a non-positive size argument."""
+        (node_alignment). Empty when valid; each rule appears at most once (its message names every dimension
+        or size that breaks it). Raises ValueError only for a non-positive size argument."""
         out: list[Violation] = []
         if spec is not None:
             for rule, size_name in (("tp_heads", "n_heads"), ("tp_hidden", "hidden_size"),
@@ -275,7 +288,7 @@ class ParallelDims:
                                           positive_int("micro_batch_size", micro_batch_size), n_microbatches)
         if gpus_per_node is not None:
             out += self._node_violations(positive_int("gpus_per_node", gpus_per_node))
-        return out
+        return _merge_by_rule(out)
 
     def check(self, spec=None, **kwargs) -> ParallelDims:
         """Raise :class:`MeshError` listing every violation of :meth:`violations` (same arguments); return self."""
@@ -323,14 +336,14 @@ class ParallelDims:
         if self.world_size > g and self.world_size % g:
             return [Violation("node_alignment", f"[node_alignment] world_size={self.world_size} is not a whole "
                                                 f"number of nodes of gpus_per_node={g}; use a multiple of {g}")]
-        out = []
-        for dim in self.order:
-            if self.degree(dim) > 1 and dim_placement(self.degree(dim), self._strides[dim], g) is None:
-                out.append(Violation("node_alignment", f"[node_alignment] {dim}={self.degree(dim)} groups (rank "
-                                                       f"stride {self._strides[dim]}) straddle nodes of {g} "
-                                                       f"unevenly; use degrees whose products with the inner "
-                                                       f"dims divide or are multiples of {g}"))
-        return out
+        bad = [f"{dim}={self.degree(dim)} (rank stride {self._strides[dim]})" for dim in self.order
+               if self.degree(dim) > 1 and dim_placement(self.degree(dim), self._strides[dim], g) is None]
+        if not bad:
+            return []
+        # one violation for the rule, naming every dimension that breaks it (a rule is listed once)
+        return [Violation("node_alignment", f"[node_alignment] the groups of {', '.join(bad)} straddle nodes of "
+                                            f"{g} unevenly; use degrees whose products with the inner dims divide "
+                                            f"or are multiples of {g}")]
 
     # -- the rank grid ---------------------------------------------------------------------------------
     def stride(self, dim: str) -> int:
@@ -470,8 +483,10 @@ def enumerate_dims(world_size: int, *, max_tp: int | None = None, max_pp: int | 
                    max_cp: int | None = None, ep_choices=(1,)) -> list[ParallelDims]:
     """Every (dp, tp, pp, cp, ep) with dp·tp·pp·cp = world_size and ep dividing dp·cp (ep from ``ep_choices``),
     tp/pp/cp optionally capped. Model rules are not checked here (see :meth:`ParallelDims.violations`).
-    O(d(world)^3) candidates: 680 for 16,384 ranks with ep=1."""
+    O(d(world)^3) candidates: 680 for 16,384 ranks with ep=1. Raises ValueError for a cap < 1 (None: no cap)."""
     world_size = positive_int("world_size", world_size)
+    max_tp, max_pp, max_cp = (None if v is None else positive_int(n, v)
+                              for n, v in (("max_tp", max_tp), ("max_pp", max_pp), ("max_cp", max_cp)))
     out = []
     divs = divisors(world_size)
     for tp in divs:

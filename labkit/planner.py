@@ -307,7 +307,7 @@ class Plan:
             for c in self.rejected[:n_rejected]:
                 lines.append(f"  {c.mesh():<40s} {c.reason}")
             if len(self.rejected) > n_rejected:
-                lines.append(f"  ... {len(self.rejected) - n_rejected} more (--rejected N shows more, --json --all "
+                lines.append(f"  ... {len(self.rejected) - n_rejected} more (--rejected N shows more, --all "
                              "lists all)")
         return "\n".join(lines)
 
@@ -338,8 +338,8 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
             fits) or one of none / selective / full. sequence_parallel: with tp > 1.
         mfu: assumed fraction of peak FLOP/s reached by compute kernels (:func:`step_time`).
         headroom: allocator headroom for the memory verdict (labkit.memory). convention: bytes per parameter.
-        max_tp: cap on tp (default: none). ep_choices: expert-parallel degrees to try for MoE models
-            (default: every divisor of n_experts).
+        max_tp: cap on tp (default None: no cap; an integer >= 1 otherwise). ep_choices: expert-parallel
+            degrees to try for MoE models (default: every divisor of n_experts).
 
     Returns a :class:`Plan`. Raises ValueError for bad input (unknown model or GPU, gpus < 1, a world that is
     not a whole number of nodes, ...) and when no mesh fits: the message names the closest mesh and its
@@ -349,6 +349,8 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
     gpus = positive_int("gpus", gpus)
     global_batch_size = positive_int("global_batch_size", global_batch_size)
     seq_len = positive_int("seq_len", seq_len)
+    if max_tp is not None:
+        max_tp = positive_int("max_tp", max_tp)
     topo = Topology.of(gpu, gpus_per_node, inter_link)
     if gpus > topo.gpus_per_node and gpus % topo.gpus_per_node:
         raise ValueError(f"gpus={gpus} is not a whole number of nodes of gpus_per_node={topo.gpus_per_node}; "
@@ -452,17 +454,28 @@ def _explain(ranked: list[Candidate]) -> None:
         c.rank = i
         if i == 1:
             biggest = max((k for k in TIME_PARTS if k != "compute_s"), key=lambda k: c.parts[k])
-            c.reason = (f"fastest predicted step; largest overhead: {PART_NAMES[biggest]} "
+            c.reason = (f"fastest predicted step; largest overhead: {part_name(c, biggest)} "
                         f"{c.parts[biggest]:.3g} s" + _link_note(c, biggest))
             continue
         diff = {k: c.parts[k] - top.parts[k] for k in TIME_PARTS}
         worst = max(diff, key=diff.get)
         pct = (c.step_time_s / top.step_time_s - 1) * 100
-        why = f"+{c.step_time_s - top.step_time_s:.3g} s (+{pct:.1f}%) vs #1, mostly {PART_NAMES[worst]} " \
+        why = f"+{c.step_time_s - top.step_time_s:.3g} s (+{pct:.1f}%) vs #1, mostly {part_name(c, worst)} " \
               f"({c.parts[worst]:.3g} s vs {top.parts[worst]:.3g} s{_link_note(c, worst, short=True)})"
         if c.recompute != top.recompute and worst == "compute_s":
             why += f"; needs recompute={c.recompute} to fit"
         c.reason = why
+
+
+def part_name(c: Candidate, part: str) -> str:
+    """The name of a time part of ``c`` for a reason: :data:`PART_NAMES`, except ``dp_s``, which is the gradient
+    sync over the dp*cp group (see :func:`step_time`), named after the dimensions that really form that group:
+    "DP comm" when cp=1, "CP gradient sync" when dp=1, "DP x CP gradient sync" when both are > 1."""
+    if part != "dp_s" or c.cp == 1:
+        return PART_NAMES[part]
+    if c.dp == 1:
+        return f"CP gradient sync (exposed; dp=1, the dp*cp group is cp={c.cp})"
+    return f"DP x CP gradient sync (exposed; dp*cp = {c.dp}*{c.cp})"
 
 
 def _link_note(c: Candidate, part: str, short: bool = False) -> str:

@@ -225,8 +225,19 @@ def test_placement_and_node_rule():
                                      "within_node": False}
     with pytest.raises(MeshError) as err:
         ParallelDims(48, dp=2, tp=3, pp=8).placement(8)
-    assert set(err.value.rules) == {"node_alignment"}
+    assert err.value.rules == ["node_alignment"]  # once, naming every dimension that straddles
+    assert all(f"{d} (rank stride" in str(err.value) for d in ("tp=3", "dp=2", "pp=8")), str(err.value)
     assert ParallelDims(16, dp=16).violations(gpus_per_node=8) == []
+
+
+def test_violations_list_each_rule_once():
+    from labkit.spec import get_spec
+
+    bad = ParallelDims(48, dp=2, tp=3, pp=8).violations(get_spec("llama-3-70b"), seq_len=8192,
+                                                        global_batch_size=32, gpus_per_node=8)
+    rules = [v.rule for v in bad]
+    assert len(rules) == len(set(rules)), rules
+    assert "node_alignment" in rules and "tp_heads" in rules
 
 
 def test_enumerate_dims_counts_every_factorisation():

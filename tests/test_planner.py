@@ -142,6 +142,8 @@ def test_bad_input_names_the_fix():
         planner.plan("llama-3-70b", gpus=0, global_batch_size=64)
     with pytest.raises(ValueError, match=r"gpus=12 is not a whole number of nodes of gpus_per_node=8"):
         planner.plan("llama-3-70b", gpus=12, global_batch_size=64)
+    with pytest.raises(ValueError, match=r"max_tp=0 must be an integer >= 1"):  # 0 was taken as "no cap"
+        planner.plan("llama-3-70b", gpus=64, global_batch_size=64, max_tp=0)
     with pytest.raises(ValueError, match=r"fits on no mesh of 8 x h100-80gb .*smallest shortfall is [\d.]+ GiB "
                                          r"per GPU, at dp=\d+ tp=\d+ pp=\d+ .*ZeRO-3"):
         planner.plan("llama-3-70b", gpus=8, seq_len=8192, global_batch_size=64)
@@ -170,7 +172,15 @@ def test_cli_table_and_json(capsys):
         assert isinstance(r["peak_bytes_per_gpu"], int) and r["step_time_s"] > 0
     assert main([*argv, "--top", "1", "--json", "--all"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows[0]["rank"] == 1 and all(r["rank"] is None and r["reason"] for r in rows[1:]) and len(rows) > 10
+    ranked = [r for r in rows if r["rank"] is not None]
+    assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1)) and len(ranked) > 1  # --all beats --top
+    assert all(r["rank"] is None and r["reason"] for r in rows[len(ranked):]) and len(rows) > len(ranked) + 10
+    # --all without --json: the table shows every ranked and every rejected mesh (no "more" lines)
+    assert main([*argv, "--top", "1", "--rejected", "0", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "more fitting meshes" not in out and "more (--rejected" not in out
+    n_rejected = int(out.split("rejected (")[1].split(";")[0])
+    assert sum(line.startswith("  dp=") for line in out.splitlines()) == n_rejected
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -179,6 +189,9 @@ def test_cli_table_and_json(capsys):
     (["--gpu", "nope"], "gpu='nope' is not valid"),
     (["--gpus", "8", "--seq", "8192"], "fits on no mesh"),
     (["--model", "nope"], "unknown model preset"),
+    (["--max-tp", "0"], "--max-tp=0"),
+    (["--top", "-1"], "--top=-1"),
+    (["--rejected", "-1"], "--rejected=-1"),
 ])
 def test_cli_bad_input_exits_2(capsys, extra, needle):
     argv = ["plan", "--model", "llama-3-70b", "--gpus", "64", "--seq", "4096", "--global-batch", "64"]
@@ -206,3 +219,20 @@ def test_plan_bars_and_panel():
     assert panel.plan() is None and "smallest shortfall" in panel.children[1].value
     controls["model"].value = "llama-3-8b"
     assert panel.plan() is not None and panel.figure() is not None
+
+
+def test_reason_names_the_dims_of_the_gradient_sync():
+    # dp_s is the gradient sync over the dp*cp group: with dp=1 it is cp's, never "DP comm"
+    def cand(dp, cp, dp_s):
+        parts = dict.fromkeys(planner.TIME_PARTS, 0.0) | {"compute_s": 1.0, "dp_s": dp_s}
+        return planner.Candidate(dp=dp, tp=1, pp=1, cp=cp, ep=1, micro_batch_size=1, n_microbatches=4,
+                                 recompute="none", fits=True, step_time_s=sum(parts.values()), parts=parts,
+                                 links={"dp": "ib-ndr"})
+
+    ranked = [cand(8, 1, 0.1), cand(1, 8, 0.5), cand(2, 4, 0.6), cand(8, 1, 0.7)]
+    planner._explain(ranked)
+    assert ranked[0].reason.startswith("fastest predicted step; largest overhead: DP comm (exposed)")
+    assert "mostly CP gradient sync (exposed; dp=1, the dp*cp group is cp=8)" in ranked[1].reason, ranked[1].reason
+    assert "DP comm" not in ranked[1].reason
+    assert "mostly DP x CP gradient sync (exposed; dp*cp = 2*4)" in ranked[2].reason, ranked[2].reason
+    assert "mostly DP comm (exposed)" in ranked[3].reason, ranked[3].reason

@@ -94,12 +94,16 @@ def test_error_table_counts_by_hand():
     rows = [  # rid, attempt, status
         (0, 1, "ok"), (1, 1, "rank_lost"), (1, 2, "ok"), (2, 1, "comm_timeout"), (2, 2, "comm_timeout"),
         (3, 1, "cancelled")]
-    df = pd.DataFrame([{"experiment": "x", "rid": r, "attempt": a, "status": s} for r, a, s in rows])
-    t = sv.error_table(df).iloc[0]
+    storm = [(0, 1, "ok"), (1, 1, "cancelled"), (2, 1, "ok"), (3, 1, "cancelled")]  # the client's choice
+    df = pd.DataFrame([{"experiment": "x", "rid": r, "attempt": a, "status": s} for r, a, s in rows]
+                      + [{"experiment": "cancel storm", "rid": r, "attempt": a, "status": s} for r, a, s in storm])
+    t, c = (row for _, row in sv.error_table(df).iterrows())
     assert (t["requests"], t["attempts"], t["ok"]) == (4, 6, 2)
     assert (t["rank_lost"], t["comm_timeout"], t["cancelled"]) == (1, 2, 1)
-    assert t["error_rate"] == pytest.approx(4 / 6)
-    assert t["retried_ok"] == 1 and t["failed_final"] == 2
+    assert t["error_rate"] == pytest.approx(3 / 5)  # server errors / attempts the client did not cancel
+    assert t["retried_ok"] == 1 and t["failed_final"] == 1  # rid 2; the cancelled rid 3 is not a failure
+    assert (c["cancelled"], c["ok"], c["error_rate"], c["failed_final"]) == (2, 2, 0.0, 0)
+    assert list(sv.error_table(df).columns[3:7]) == ["ok", "cancelled", "rank_lost", "comm_timeout"]
 
 
 def test_bad_input_names_the_fix():
@@ -107,7 +111,8 @@ def test_bad_input_names_the_fix():
         sv.make_plan(3)
     with pytest.raises(ValueError, match=r"tp=4 does not divide n_kv_heads=2; valid tp: 1, 2; model 'lab-tiny"):
         sv.make_plan(4, model="lab-tiny-llama")  # labkit.parallel.tensor would replicate; the KV cache splits
-    with pytest.raises(ValueError, match=r"world_size=2 does not divide concurrency=3"):
+    with pytest.raises(ValueError, match=r"concurrency=3 is not a multiple of world_size=2 .* each concurrency "
+                                         r"must be a multiple of world_size=2, e\.g\. 2, 4, 6"):
         sv.make_plan(2, ramp=[3])
     with pytest.raises(ValueError, match=r"exceeds the model's max_seq_len=128"):
         sv.make_plan(2, long_prompt=120, output_len=16)
@@ -140,6 +145,62 @@ def test_predict_deployments_by_hand():
         sv.predict_deployments(tps=[3])
     with pytest.raises(ValueError, match=r"replicas=8 does not divide concurrency=4"):
         sv.predict_deployments(tps=[1], concurrency=4)
+
+
+GPU_SIZES = {"gpus": 8, "gpu": "h100-80gb", "concurrency": 64, "prompt_len": 1024, "output_len": 256}
+CHAPTER = {"world_size": 2, "model": None, "n_requests": 16, "short_prompt": 16, "long_prompt": 96, "output_len": 16,
+           "ramp": None, "cancel_step": 4, "lose_at_step": 3, "detect_timeout_s": 1.0, "backend": "auto",
+           "big_model": "llama-2-13b", "gpus": 8, "gpu": "h100-80gb", "concurrency_gpu": 64, "prompt_len_gpu": 1024,
+           "output_len_gpu": 256}
+
+
+def test_deployments_that_do_not_fit_carry_no_timing():
+    df = sv.predict_deployments("llama-3-70b", **GPU_SIZES)
+    bad, ok = df[~df["fits"]], df[df["fits"]]
+    assert list(bad["tp"]) == [1, 2] and list(ok["tp"]) == [4, 8]
+    timing = ["ttft_s", "tpot_s", "tps_per_seq", "throughput_tok_s", "decode_allreduce_s", "prefill_allreduce_s"]
+    assert bad[timing].isna().all().all() and bad["decode_bound"].isna().all()
+    assert bad["note"].str.startswith("does not fit: peak").all() and (ok["note"] == "").all()
+    assert ok[timing].notna().all().all()
+    text = " ".join(sv.deployment_findings(df, "llama-3-70b"))
+    assert "fits at TP4, TP8; not at TP1" in text and "lowest TTFT TP8 x 1" in text, text
+    with pytest.raises(ValueError, match="no deployment of llama-3.1-405b fits"):
+        sv.deployment_findings(sv.predict_deployments("llama-3.1-405b", **GPU_SIZES), "llama-3.1-405b")
+
+
+def test_check_chapter_refuses_before_launch(monkeypatch):
+    import labkit.launcher
+
+    monkeypatch.setattr(labkit.launcher, "launch", lambda *a, **k: pytest.fail("launched"))
+    assert sv.check_chapter(**CHAPTER)["model"] == "lab-tiny-llama"
+    with pytest.raises(ValueError, match=r"big_model='llama-3.1-405b' fits on no deployment of 8 x h100-80gb .* "
+                                         r"closest is tp=8 x 1 replica\(s\) at [\d.]+ GiB per GPU > 80.0 GiB, short "
+                                         r"by [\d.]+ GiB; what would fit: .*h200-141gb.*smaller model.*more GPUs "
+                                         r"alone would not"):
+        sv.check_chapter(**{**CHAPTER, "big_model": "llama-3.1-405b"})
+    for name in ("cancel_step", "lose_at_step"):
+        with pytest.raises(ValueError, match=rf"{name}=16 must be below output_len=16.*use 1 to 15"):
+            sv.check_chapter(**{**CHAPTER, name: 16})
+
+
+def test_ramp_findings_follow_the_data():
+    # the tester's run: TTFT p50 fell with concurrency, replicas' throughput fell from 4 to 8
+    rows = [("replicas", 2, 0.093, 900, 700, 1500, 0.0), ("replicas", 4, 0.05, 700, 500, 2131, 0.0),
+            ("replicas", 8, 0.034, 400, 200, 2026, 0.0),
+            ("tp", 2, 0.10, 500, 400, 800, 1.0), ("tp", 4, 0.12, 450, 300, 1000, 1.0),
+            ("tp", 8, 0.20, 300, 150, 2100, 1.0)]
+    summary = pd.DataFrame([{"mode": m, "concurrency": c, "ttft_p50_s": t, "tps_p50": p50, "tps_p95": p95,
+                             "throughput_tok_s": th, "comm_s": cs, "prefill_s": 1.0, "decode_s": 3.0}
+                            for m, c, t, p50, p95, th, cs in rows])
+    rep, tp, both = sv.ramp_findings(summary)
+    assert "TTFT p50 fell from 0.093 s at concurrency 2 to 0.034 s at 8" in rep, rep
+    assert "total throughput rose from 1500 tok/s at concurrency 2 to 2131 tok/s at 4, then fell to 2026 tok/s " \
+           "at 8" in rep, rep
+    assert "TPS p95 was 50% of p50" in rep
+    assert "TTFT p50 rose from 0.100 s at concurrency 2 to 0.200 s at 8" in tp, tp
+    assert "below replicas' at concurrency 2, 4 only" in both and "(25%)" in both, both
+    with pytest.raises(ValueError, match="summary lacks columns"):
+        sv.ramp_findings(summary.drop(columns="comm_s"))
 
 
 def test_replicas_vs_tp_and_failures_on_two_ranks():
@@ -185,6 +246,7 @@ def test_replicas_vs_tp_and_failures_on_two_ranks():
         assert e.loc[exp, "failed_final"] == 0 and e.loc[exp, "requests"] == 6, e
     assert e.loc["rank loss: tp", "comm_timeout"] >= 1 and e.loc["rank loss: replicas", "rank_lost"] >= 1
     assert e.loc["cancel storm", "cancelled"] >= 2
+    assert e.loc["cancel storm", "failed_final"] == 0 and e.loc["cancel storm", "error_rate"] == 0  # not failures
     retried = tp[tp["attempt"] == 2]
     assert (retried["status"] == "ok").all() and (retried["ttft_s"] >= out["rank_loss"]["detect_timeout_s"]).all()
     assert not math.isnan(out["wall_s"])

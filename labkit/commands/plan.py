@@ -1,6 +1,6 @@
 """``labkit plan``: rank every valid mesh of a GPU cluster for training a model (predicted memory and step time).
 
-Examples::
+Examples (--all: every ranked and rejected mesh, in the table or with --json)::
 
     labkit plan --model llama-3-70b --gpus 1024 --gpu h100-80gb --gpus-per-node 8 --seq 8192 --global-batch 1024
     labkit plan --model llama-3-70b --gpus 1024 --gpu h100-80gb --seq 8192 --global-batch 1024 --top 3 --json
@@ -45,11 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu", type=float, default=planner.DEFAULT_MFU,
                    help="assumed fraction of peak FLOP/s the compute kernels reach (default 0.5)")
     p.add_argument("--headroom", type=float, default=m.DEFAULT_HEADROOM, help="allocator headroom fraction")
-    p.add_argument("--max-tp", type=int, default=None, help="largest tp to consider")
-    p.add_argument("--top", type=int, default=10, help="ranked meshes to print (default 10)")
-    p.add_argument("--rejected", type=int, default=10, help="rejected meshes to list in the table (default 10)")
+    p.add_argument("--max-tp", type=int, default=None, help="largest tp to consider (>= 1; default: no cap)")
+    p.add_argument("--top", type=int, default=10, help="ranked meshes to show (>= 1, default 10)")
+    p.add_argument("--rejected", type=int, default=10,
+                   help="rejected meshes to list in the table (>= 0, default 10)")
     p.add_argument("--all", action="store_true",
-                   help="with --json: append every rejected mesh (rank null, its rules and reason)")
+                   help="show every mesh: all ranked ones and all rejected ones (rank null in --json, with their "
+                        "rules and reason); overrides --top and --rejected, in the table and with --json")
     p.add_argument("--json", action="store_true",
                    help="print the ranked candidates as a JSON list (dp, tp, pp, cp, ep, fits, peak_bytes_per_gpu, "
                         "step_time_s, ...)")
@@ -60,12 +62,17 @@ def run(args) -> int:
     from labkit.checks import positive_int
 
     top = positive_int("--top", args.top)
+    n_rejected = positive_int("--rejected", args.rejected, minimum=0)
+    if args.max_tp is not None:
+        positive_int("--max-tp", args.max_tp)
     result = planner.plan(args.model, gpus=args.gpus, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
                           gpu=args.gpu, gpus_per_node=args.gpus_per_node, micro_batch_sizes=args.micro_batch_sizes,
                           zero=args.zero, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                           mfu=args.mfu, inter_link=args.inter_link, headroom=args.headroom, max_tp=args.max_tp)
+    if args.all:
+        top, n_rejected = len(result.candidates), len(result.rejected)
     if args.json:
         print(result.to_json(top, rejected=args.all))
         return 0
-    print(result.table(top=top, n_rejected=max(0, args.rejected)))
+    print(result.table(top=top, n_rejected=n_rejected))
     return 0
