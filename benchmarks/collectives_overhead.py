@@ -27,6 +27,7 @@ import pandas as pd
 
 from labkit import collectives as col
 from labkit import launch
+from labkit.cli import run_main
 
 GOAL = 0.95
 
@@ -141,4 +142,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("collectives_overhead", main))

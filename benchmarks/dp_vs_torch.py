@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
 from labkit import launch
+from labkit.cli import run_main
 from labkit.parallel import data, harness, zero
 
 GOALS = {("bucket", "ddp"): 0.95, ("zero3", "fsdp2"): 0.90}
@@ -64,4 +64,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("dp_vs_torch", main))

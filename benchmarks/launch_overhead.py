@@ -23,6 +23,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from labkit import launch
+from labkit.checks import positive_int
+from labkit.cli import run_main
+from labkit.parallel.harness import ratio_verdict
 
 SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
@@ -37,11 +40,13 @@ def trivial(ctx):
     return ctx.rank
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    positive_int("world_size", args.world_size)
+    positive_int("repeats", args.repeats)
     torchrun = Path(sys.executable).with_name("torchrun")
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -62,8 +67,11 @@ def main() -> None:
     print(f"world_size={args.world_size}, repeats={args.repeats}, cores={os.cpu_count()} (all measured)")
     print(f"labkit.launch           : {fmt(ours)}")
     print(f"torchrun --standalone   : {fmt(theirs)}")
-    print(f"ratio launch/torchrun = {statistics.median(ours) / statistics.median(theirs):.2f} (goal <= 1.0)")
+    line, met = ratio_verdict("ratio launch/torchrun wall time, per repeat", [a / b for a, b in zip(ours, theirs)],
+                              1.0, higher_is_better=False)
+    print(line)
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main("launch_overhead", main))

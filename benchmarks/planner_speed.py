@@ -16,6 +16,9 @@ import statistics
 import subprocess
 import sys
 
+from labkit.checks import positive_int
+from labkit.cli import run_main
+
 CHILD = """
 import json, sys, time
 from labkit import planner
@@ -44,16 +47,21 @@ def measure(name: str, kwargs: dict, repeats: int) -> float:
     return statistics.median(secs)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=16384)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    positive_int("repeats", args.repeats)
+    positive_int("gpus", args.gpus)
     common = dict(gpus=args.gpus, gpu="h100-80gb", gpus_per_node=8, seq_len=8192, global_batch_size=2048)
     measure("mixtral-8x7b (MoE, ep in 1, 2, 4, 8)", dict(model="mixtral-8x7b", **common), args.repeats)
     median = measure("llama-3-70b", dict(model="llama-3-70b", **common), args.repeats)
-    print(f"seconds to score every mesh of {args.gpus} GPUs (llama-3-70b, median, goal <= 1 s): {median:.3f}")
+    met = median <= 1.0
+    print(f"seconds to score every mesh of {args.gpus} GPUs (llama-3-70b, median, goal <= 1 s): {median:.3f} "
+          f"({'met' if met else 'NOT met'})")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_main("planner_speed", main))

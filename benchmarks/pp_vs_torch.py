@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from labkit.cli import run_main
 from labkit.parallel import harness
 from labkit.parallel import pipeline as pl
 from labkit.spec import get_spec
@@ -65,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("pp_vs_torch", main))

@@ -16,6 +16,8 @@ import argparse
 import statistics
 import sys
 
+from labkit.cli import run_main
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -68,4 +70,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("tp_vs_dtensor", main))

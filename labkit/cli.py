@@ -42,21 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 2
+def run_main(name: str, fn) -> int:
+    """Call ``fn()`` (a command or a benchmark's main) and turn what users cause into one line on stderr and an
+    exit status: ValueError or OSError (bad input, an unusable path) -> 2; a failed or timed-out launch
+    (labkit.launcher.LaunchError) -> 1; Ctrl-C -> 130; a closed stdout (``... --json | head``) -> 0, quietly.
+    Anything else is a bug and keeps its traceback. Returns ``fn()``'s status (None -> 0)."""
     try:
-        return int(args._run(args) or 0)
+        return int(fn() or 0)
     except BrokenPipeError:
         # the reader went away (`labkit memory --json | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (ValueError, OSError) as e:
-        # bad input, or a path that cannot be read or written: one line, exit 2
-        print(f"labkit {args.command}: error: {e}".splitlines()[0], file=sys.stderr)
+        print(f"{name}: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     except RuntimeError as e:
         from labkit.launcher import LaunchError
@@ -64,11 +62,20 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, LaunchError):
             raise
         # a launch that failed or timed out: its first line says which rank and why
-        print(f"labkit {args.command}: error: {e}".splitlines()[0], file=sys.stderr)
+        print(f"{name}: error: {e}".splitlines()[0], file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"labkit {args.command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return run_main(f"labkit {args.command}", lambda: args._run(args))
 
 
 if __name__ == "__main__":

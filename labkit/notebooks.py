@@ -132,6 +132,15 @@ def stalled_cells(executed: str | Path, cell_timeout_s: float, margin_s: float =
     return out
 
 
+def check_kernel(kernel_name: str) -> None:
+    """Raise ValueError unless ``kernel_name`` is an installed Jupyter kernel (listing the installed ones)."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    names = sorted(KernelSpecManager().find_kernel_specs())
+    if kernel_name not in names:
+        raise ValueError(f"kernel={kernel_name!r} is not an installed Jupyter kernel; installed: {', '.join(names)}")
+
+
 def run_chapters(chapters: list[str] | None = None, out: str | Path | None = None, parameters: dict | None = None,
                  cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, kernel_name: str = "python3",
                  progress: bool = True) -> pd.DataFrame:
@@ -144,6 +153,7 @@ def run_chapters(chapters: list[str] | None = None, out: str | Path | None = Non
     paths = discover(chapters)
     if not paths:
         raise ValueError(f"no chapter notebooks found in {notebooks_dir()}")
+    check_kernel(kernel_name)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(out) if out is not None else runs_dir() / stamp
     out.mkdir(parents=True, exist_ok=True)

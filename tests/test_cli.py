@@ -67,3 +67,36 @@ def test_closed_pipe_is_quiet():
     p.stdout.close()  # like `| head -c 10`
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("script, bad", [
+    ("launch_overhead", "--world-size=0"), ("planner_speed", "--gpus=0"), ("dp_vs_torch", "--world-size=0"),
+    ("pp_vs_torch", "--pp=0"), ("tp_vs_dtensor", "--model=nope"), ("collectives_overhead", "--repeats=0"),
+])
+def test_benchmark_bad_argument_is_one_line_exit_2(script, bad):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), bad], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(f"{script}: "), proc.stderr
+
+
+def test_run_main_maps_user_errors_to_exit_codes(capsys):
+    from labkit.cli import run_main
+    from labkit.launcher import LaunchTimeout
+
+    def timeout():
+        raise LaunchTimeout("launch timed out after 1 s\nstacks...", rank=0, world_size=2, stacks={}, elapsed_s=1.0)
+
+    assert run_main("x", lambda: None) == 0 and run_main("x", lambda: 1) == 1
+    assert run_main("x", lambda: int("nope")) == 2
+    assert run_main("x", timeout) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "x: error: launch timed out after 1 s"
+    with pytest.raises(KeyError):
+        run_main("x", lambda: {}["bug"])  # a bug keeps its traceback
+
+
+def test_run_unknown_kernel_is_one_line_exit_2():
+    proc = run_cli("run", "--chapters", "00", "--kernel", "nope")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        proc.stderr.strip()] and "kernel='nope' is not an installed Jupyter kernel" in proc.stderr
