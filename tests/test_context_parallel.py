@@ -170,6 +170,14 @@ def test_imbalance_conclusion_follows_the_measured_numbers():
     assert shown["measured_naive_ratio"] == pytest.approx(50 / 30) and shown["shows_imbalance"]
     assert shown["predicted_weighted_naive_ratio"] == pytest.approx((1 + 1.5) / 1.5)
     assert "shows the imbalance in this run: last/first 1.67 naive" in shown["conclusion"]
+    assert shown["zigzag_even"] and "zigzag evens the work out" in shown["conclusion"]
+    # the tester's world_size=4 run: zigzag max/min 1.43 is not "even"
+    uneven = cpx.imbalance(_imbalance_table([10.0, 20.0, 30.0, 40.0], [30.0, 43.0, 35.0, 38.0],
+                                            blocks_naive=(1.0, 2.0, 3.0, 4.0), blocks_zz=(2.5,) * 4))
+    assert uneven["shows_imbalance"] and not uneven["zigzag_even"]
+    assert uneven["measured_zigzag_ratio"] == pytest.approx(43 / 30)
+    assert "evens the work out" not in uneven["conclusion"]
+    assert "did not even it out: its busiest rank still took 43% more" in uneven["conclusion"]
     blurred = cpx.imbalance(_imbalance_table([30.0, 29.0], [40.0, 41.0]))  # the tester's 0.97
     assert not blurred["shows_imbalance"] and "does NOT show the imbalance in this run" in blurred["conclusion"]
     assert "last/first 0.97 naive" in blurred["conclusion"]

@@ -668,6 +668,10 @@ def block_costs(*, batch: int, n_heads: int, block_len: int, head_dim: int, repe
             "diagonal_over_full": best["diagonal"] / best["full"]}
 
 
+#: measured zigzag max/min kernel time within this of 1 counts as "even" in :func:`imbalance`'s conclusion
+EVEN_TOLERANCE = 0.15
+
+
 def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict:
     """The causal imbalance of contiguous (naive) sharding vs zigzag, from a :func:`profile_table` (the
     configs whose ``cp`` is the largest in the table, causal), for ``method``:
@@ -682,6 +686,8 @@ def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict
       its measured cost relative to a full block;
     * ``shows_imbalance`` (bool): the measured naive ratio exceeds both 1.2 and the measured zigzag ratio
       by 0.15 — the timing shows what the counts say;
+    * ``zigzag_even`` (bool): the measured zigzag max/min is within :data:`EVEN_TOLERANCE` of 1; only then
+      does the conclusion say zigzag evened the work out, otherwise it says how far from even it stayed;
     * ``conclusion``: one sentence written from these numbers (what this run showed, not what it should).
 
     Raises ValueError when the table has no causal naive and zigzag rows of ``method`` at cp >= 2."""
@@ -709,6 +715,7 @@ def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict
     timed = all(x == x for x in cpu_n + cpu_z)  # NaN on a GPU: no CPU kernel time
     out["measured_naive_ratio"] = cpu_n[-1] / cpu_n[0] if timed else float("nan")
     out["measured_zigzag_ratio"] = max(cpu_z) / min(cpu_z) if timed else float("nan")
+    out["zigzag_even"] = bool(timed and out["measured_zigzag_ratio"] <= 1.0 + EVEN_TOLERANCE)
     out["shows_imbalance"] = bool(timed and out["measured_naive_ratio"] > 1.2
                                   and out["measured_naive_ratio"] > out["measured_zigzag_ratio"] + 0.15)
     counted = (f"Counted: with contiguous sharding the last of {cp} ranks computed "
@@ -724,8 +731,16 @@ def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict
         ratios = (f"last/first {out['measured_naive_ratio']:.2f} naive (predicted {cp} from the counts{weighted}), "
                   f"max/min {out['measured_zigzag_ratio']:.2f} zigzag")
         if out["shows_imbalance"]:
-            timing = (f"Measured kernel CPU time (least-disturbed repeat) shows the imbalance in this run: {ratios}; "
-                      "zigzag evens the work out.")
+            zz_ratio = out["measured_zigzag_ratio"]
+            if out["zigzag_even"]:
+                after = (f"zigzag evens the work out (its busiest rank within {zz_ratio - 1:.0%} of the least busy, "
+                         f"tolerance {EVEN_TOLERANCE:.0%}).")
+            else:
+                after = (f"zigzag narrowed the spread but did not even it out: its busiest rank still took "
+                         f"{zz_ratio - 1:.0%} more kernel time than the least busy (counted blocks: equal), more than "
+                         f"the {EVEN_TOLERANCE:.0%} this lab calls even.")
+            timing = ("Measured kernel CPU time (least-disturbed repeat) shows the imbalance in this run: "
+                      f"{ratios}; " + after)
         else:
             timing = (f"Measured kernel CPU time (least-disturbed repeat) does NOT show the imbalance in this run: "
                       f"{ratios}. The counts above are exact; the timing was blurred, most likely by other "
