@@ -72,6 +72,22 @@ def test_check_chapter_rejects_before_launch(change, match):
         cpx.check_chapter(**{**CHAPTER, **change})
 
 
+def test_check_chapter_lists_only_cp_values_that_pass():
+    """The tester's world_size=3 case listed "valid cp: 1, ..., 512": 1 is refused (cp >= 2) and Ulysses caps
+    cp at n_heads. Every listed value must pass check_chapter."""
+    with pytest.raises(ValueError, match=r"pass every rule of chapter 07 with seq_len=1024, n_heads=4: 2, 4;") as e:
+        cpx.check_chapter(**{**CHAPTER, "world_size": 3})
+    assert "3 does not divide n_heads=4" in str(e.value)
+    for seq_len, n_heads in ((1024, 4), (96, 12), (1000, 8), (30, 6)):
+        valid = cpx.chapter_cp_degrees(seq_len, n_heads)
+        assert valid and 1 not in valid and max(valid) <= n_heads
+        for c in valid:
+            cpx.check_chapter(**{**CHAPTER, "world_size": c, "seq_len": seq_len, "n_heads": n_heads,
+                                 "backend": "gloo"})
+    with pytest.raises(ValueError, match=r"no world_size passes every rule"):
+        cpx.check_chapter(**{**CHAPTER, "world_size": 2, "n_heads": 3})
+
+
 def test_model_cases_skip_what_the_model_cannot_run():
     cases, skipped = cpx.model_cases(2)
     assert [c["method"] for c in cases] == ["ring", "ulysses"] and skipped == []

@@ -94,12 +94,30 @@ def check_chapter(*, world_size: int, seq_len: int, n_heads: int, head_dim: int,
     for name, value in (("seq_len", seq_len), ("n_heads", n_heads), ("head_dim", head_dim), ("batch", batch),
                         ("repeats", repeats)):
         positive_int(name, value)
-    try:
-        check_context_parallel(seq_len, world_size, load_balance=True, method="ulysses", n_heads=n_heads)
-    except ValueError as e:
-        raise ValueError(f"chapter 07 runs cp = world_size={world_size}: {e}; or choose seq_len / n_heads "
-                         "that it divides") from None
+    problems = []
+    if seq_len % (2 * world_size):
+        problems.append(f"2·cp={2 * world_size} does not divide seq_len={seq_len} (zigzag cuts the sequence into "
+                        "2·cp chunks)")
+    if n_heads % world_size:
+        problems.append(f"cp={world_size} does not divide n_heads={n_heads} (Ulysses gives each rank n_heads/cp "
+                        "heads)")
+    if problems:
+        valid = chapter_cp_degrees(seq_len, n_heads)
+        fix = (f"world_size (= cp) values that pass every rule of chapter 07 with seq_len={seq_len}, "
+               f"n_heads={n_heads}: {', '.join(map(str, valid))}" if valid else
+               f"no world_size passes every rule of chapter 07 with seq_len={seq_len}, n_heads={n_heads}: "
+               "choose an even n_heads and a seq_len that 4 divides, e.g. n_heads=4, seq_len=1024")
+        raise ValueError(f"chapter 07 runs cp = world_size={world_size}: {'; '.join(problems)}; {fix}; or choose "
+                         "seq_len / n_heads that it divides")
     resolve_backend(backend, world_size)
+
+
+def chapter_cp_degrees(seq_len: int, n_heads: int) -> list[int]:
+    """The world_size (= cp) values chapter 07 accepts for ``seq_len`` and ``n_heads`` (the backend aside):
+    cp >= 2, 2·cp dividing seq_len (zigzag) and cp dividing n_heads (Ulysses), so never above n_heads.
+    Raises ValueError for a non-positive size."""
+    seq_len, n_heads = positive_int("seq_len", seq_len), positive_int("n_heads", n_heads)
+    return [c for c in range(2, n_heads + 1) if n_heads % c == 0 and seq_len % (2 * c) == 0]
 
 
 def model_cases(world_size: int, spec: str = "lab-tiny-llama") -> tuple[list[dict], list[str]]:
