@@ -72,6 +72,22 @@ def test_check_chapter_rejects_before_launch(change, match):
         cpx.check_chapter(**{**CHAPTER, **change})
 
 
+def test_check_chapter_lists_only_cp_values_that_pass():
+    """The tester's world_size=3 case listed "valid cp: 1, ..., 512": 1 is refused (cp >= 2) and Ulysses caps
+    cp at n_heads. Every listed value must pass check_chapter."""
+    with pytest.raises(ValueError, match=r"pass every rule of chapter 07 with seq_len=1024, n_heads=4: 2, 4;") as e:
+        cpx.check_chapter(**{**CHAPTER, "world_size": 3})
+    assert "3 does not divide n_heads=4" in str(e.value)
+    for seq_len, n_heads in ((1024, 4), (96, 12), (1000, 8), (30, 6)):
+        valid = cpx.chapter_cp_degrees(seq_len, n_heads)
+        assert valid and 1 not in valid and max(valid) <= n_heads
+        for c in valid:
+            cpx.check_chapter(**{**CHAPTER, "world_size": c, "seq_len": seq_len, "n_heads": n_heads,
+                                 "backend": "gloo"})
+    with pytest.raises(ValueError, match=r"no world_size passes every rule"):
+        cpx.check_chapter(**{**CHAPTER, "world_size": 2, "n_heads": 3})
+
+
 def test_model_cases_skip_what_the_model_cannot_run():
     cases, skipped = cpx.model_cases(2)
     assert [c["method"] for c in cases] == ["ring", "ulysses"] and skipped == []
@@ -170,6 +186,14 @@ def test_imbalance_conclusion_follows_the_measured_numbers():
     assert shown["measured_naive_ratio"] == pytest.approx(50 / 30) and shown["shows_imbalance"]
     assert shown["predicted_weighted_naive_ratio"] == pytest.approx((1 + 1.5) / 1.5)
     assert "shows the imbalance in this run: last/first 1.67 naive" in shown["conclusion"]
+    assert shown["zigzag_even"] and "zigzag evens the work out" in shown["conclusion"]
+    # the tester's world_size=4 run: zigzag max/min 1.43 is not "even"
+    uneven = cpx.imbalance(_imbalance_table([10.0, 20.0, 30.0, 40.0], [30.0, 43.0, 35.0, 38.0],
+                                            blocks_naive=(1.0, 2.0, 3.0, 4.0), blocks_zz=(2.5,) * 4))
+    assert uneven["shows_imbalance"] and not uneven["zigzag_even"]
+    assert uneven["measured_zigzag_ratio"] == pytest.approx(43 / 30)
+    assert "evens the work out" not in uneven["conclusion"]
+    assert "did not even it out: its busiest rank still took 43% more" in uneven["conclusion"]
     blurred = cpx.imbalance(_imbalance_table([30.0, 29.0], [40.0, 41.0]))  # the tester's 0.97
     assert not blurred["shows_imbalance"] and "does NOT show the imbalance in this run" in blurred["conclusion"]
     assert "last/first 0.97 naive" in blurred["conclusion"]

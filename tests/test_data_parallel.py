@@ -314,3 +314,21 @@ def test_dp_benchmark_exits_nonzero_when_a_goal_is_missed(monkeypatch, capsys):
     fast = dict(slow, bucket=[99.0, 100.0, 101.0])
     monkeypatch.setattr(bench, "launch", lambda *a, **k: Fake([fast, fast]))
     assert bench.main([]) == 0
+
+
+def test_scaling_findings_follow_the_numbers():
+    from labkit.parallel import data as dpm
+
+    def rows(effs):
+        return [{"local_batch_size": b, "efficiency": e} for b, e in zip((1, 2, 4, 8), effs)]
+
+    # the tester's world_size=4 run: no monotone trend -> no claim that efficiency rose
+    mixed = dpm.scaling_findings(rows([0.60, 0.36, 0.86, 0.56]))
+    assert "b=1: 0.60, b=2: 0.36, b=4: 0.86, b=8: 0.56" in mixed and "no monotone trend" in mixed
+    assert "rose" not in mixed
+    assert "rose with the local batch" in dpm.scaling_findings(rows([0.3, 0.5, 0.5, 0.9]))
+    assert "FELL" in dpm.scaling_findings(list(reversed(rows([0.9, 0.5, 0.4, 0.3]))))  # rows sorted by b first
+    with pytest.raises(ValueError, match="got no rows"):
+        dpm.scaling_findings([])
+    with pytest.raises(ValueError, match=r"lack \['efficiency'\]"):
+        dpm.scaling_findings([{"local_batch_size": 1}])

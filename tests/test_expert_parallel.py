@@ -59,7 +59,8 @@ CHAPTER = dict(world_size=2, tokens_per_rank=256, hidden_size=64, ffn_hidden_siz
 
 @pytest.mark.parametrize("change, match", [
     ({"world_size": 1}, r"chapter 08 needs world_size >= 2: expert parallelism .*got world_size=1"),
-    ({"world_size": 3}, r"ep=3 does not divide n_experts=8; valid ep: 1, 2, 4, 8"),
+    ({"world_size": 3}, r"ep=world_size=3 does not divide n_experts=8 .*pass every rule of chapter 08 with "
+                        r"n_experts=8: 2, 4, 8;"),
     ({"top_k": 9}, r"top_k=9 must be <= n_experts=8"),
     ({"capacity_factor": 0}, r"capacity_factor=0 must be a finite number > 0"),
     ({"capacity_factors": []}, r"capacity_factors=\[\] is empty"),
@@ -76,6 +77,17 @@ def test_check_chapter_rejects_before_launch(change, match):
     ex.check_chapter(**CHAPTER)  # the chapter's defaults are valid
     with pytest.raises(ValueError, match=match):
         ex.check_chapter(**{**CHAPTER, **change})
+
+
+def test_check_chapter_lists_only_ep_values_that_pass():
+    """The tester's world_size=3 case listed "valid ep: 1, 2, 4, 8", though 1 is refused (ep >= 2)."""
+    for n_experts in (8, 6, 12, 7):
+        valid = ex.chapter_ep_degrees(n_experts)
+        assert valid and 1 not in valid
+        for e in valid:
+            ex.check_chapter(**{**CHAPTER, "world_size": e, "n_experts": n_experts, "backend": "gloo"})
+    with pytest.raises(ValueError, match=r"n_experts=1: choose an n_experts with a divisor >= 2"):
+        ex.check_chapter(**{**CHAPTER, "world_size": 2, "n_experts": 1, "top_k": 1})
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])

@@ -87,10 +87,15 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch(no_launch):
     12 after 16 s of fixed-compute runs)."""
     with pytest.raises(ValueError, match=r"chapter 06 needs world_size >= 2, got world_size=1"):
         pl.check_chapter(world_size=1)
-    with pytest.raises(ValueError, match=r"n_microbatches=4 does not divide global_batch_size=6"):
+    with pytest.raises(ValueError, match=r"n_microbatches=4 does not divide global_batch_size=6.*"
+                                         r"pass every rule with global_batch_size=6 on pp=2: 2, 6$"):
         pl.check_chapter(world_size=2, global_batch_size=6)
-    with pytest.raises(ValueError, match=r"n_microbatches=3 is not a multiple of pp=2"):
-        pl.check_chapter(world_size=2, n_microbatches=3)
+    with pytest.raises(ValueError, match=r"n_microbatches=3 does not suit every schedule.*multiple of pp=2.*: 2, 6$"):
+        pl.check_chapter(world_size=2, n_microbatches=3, global_batch_size=6)
+    with pytest.raises(ValueError, match=r"n_microbatches=1 does not suit every schedule.*>= 2"):
+        pl.check_chapter(world_size=2, n_microbatches=1, global_batch_size=6)
+    with pytest.raises(ValueError, match=r"no n_microbatches passes every rule.*global_batch_size=4"):
+        pl.check_chapter(world_size=2, global_batch_size=3)
     with pytest.raises(ValueError, match=r"sweep\[1\]=0"):
         pl.check_chapter(world_size=2, sweep=[1, 0])
     with pytest.raises(ValueError, match=r"sweep=\[\] is empty"):
@@ -301,3 +306,13 @@ def test_every_handle_waited():
     res = launch(_handles_rank, 2, timeout_s=60, echo=False)
     for r, out in enumerate(res):
         assert out["n_works"] == 6 and out["ok"] and out["refused"] and out["got"] == 1 - r
+
+
+@pytest.mark.parametrize("pp, gbs", [(2, 6), (2, 12), (3, 12), (4, 24), (3, 9)])
+def test_every_listed_microbatch_count_passes_check_chapter(no_launch, pp, gbs):
+    """The tester's case: the error listed n_microbatches=1 and 3 for global_batch_size=6, which 1F1B and the
+    interleaved schedule then refused. Every value listed must pass the whole check."""
+    valid = pl.chapter_microbatches(pp, gbs)
+    assert valid and all(m % pp == 0 and m >= pp for m in valid)
+    for m in valid:
+        assert pl.check_chapter(world_size=pp, n_microbatches=m, global_batch_size=gbs)["n_microbatches"] == m

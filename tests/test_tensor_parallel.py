@@ -313,3 +313,17 @@ def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
     assert "= 1.100" in last and "1.000 to 1.200" in last and last.endswith("NOT met")
     monkeypatch.setattr(labkit, "launch", fake([0.09, 0.10, 0.095], [0.10, 0.10, 0.10]))
     assert bench.main(["--steps", "3"]) == 0
+
+
+def test_step_time_findings_follow_the_numbers():
+    # the tester's CPU run: hand TP 3x slower than tp=1 -> no "about as much" claim
+    slow = tp.step_time_findings({"tp1": [0.010, 0.011, 0.012], "hand": [0.030, 0.031, 0.032]}, 2)
+    assert "hand 31.0 ms (0.35x)" in slow and "cost more than the arithmetic it split" in slow
+    assert "faster" not in slow and "about as fast" not in slow
+    fast = tp.step_time_findings({"tp1": [0.020], "hand": [0.010], "hand_sp": [0.0195]}, 2)
+    assert "hand ran faster than one rank" in fast and "hand_sp ran about as fast" in fast
+    assert "slower" not in fast
+    with pytest.raises(ValueError, match="expected a 'tp1' entry"):
+        tp.step_time_findings({"hand": [0.1]}, 2)
+    with pytest.raises(ValueError, match=r"no measured steps for \['hand'\]"):
+        tp.step_time_findings({"tp1": [0.1], "hand": []}, 2)

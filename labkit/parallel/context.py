@@ -94,12 +94,30 @@ def check_chapter(*, world_size: int, seq_len: int, n_heads: int, head_dim: int,
     for name, value in (("seq_len", seq_len), ("n_heads", n_heads), ("head_dim", head_dim), ("batch", batch),
                         ("repeats", repeats)):
         positive_int(name, value)
-    try:
-        check_context_parallel(seq_len, world_size, load_balance=True, method="ulysses", n_heads=n_heads)
-    except ValueError as e:
-        raise ValueError(f"chapter 07 runs cp = world_size={world_size}: {e}; or choose seq_len / n_heads "
-                         "that it divides") from None
+    problems = []
+    if seq_len % (2 * world_size):
+        problems.append(f"2·cp={2 * world_size} does not divide seq_len={seq_len} (zigzag cuts the sequence into "
+                        "2·cp chunks)")
+    if n_heads % world_size:
+        problems.append(f"cp={world_size} does not divide n_heads={n_heads} (Ulysses gives each rank n_heads/cp "
+                        "heads)")
+    if problems:
+        valid = chapter_cp_degrees(seq_len, n_heads)
+        fix = (f"world_size (= cp) values that pass every rule of chapter 07 with seq_len={seq_len}, "
+               f"n_heads={n_heads}: {', '.join(map(str, valid))}" if valid else
+               f"no world_size passes every rule of chapter 07 with seq_len={seq_len}, n_heads={n_heads}: "
+               "choose an even n_heads and a seq_len that 4 divides, e.g. n_heads=4, seq_len=1024")
+        raise ValueError(f"chapter 07 runs cp = world_size={world_size}: {'; '.join(problems)}; {fix}; or choose "
+                         "seq_len / n_heads that it divides")
     resolve_backend(backend, world_size)
+
+
+def chapter_cp_degrees(seq_len: int, n_heads: int) -> list[int]:
+    """The world_size (= cp) values chapter 07 accepts for ``seq_len`` and ``n_heads`` (the backend aside):
+    cp >= 2, 2·cp dividing seq_len (zigzag) and cp dividing n_heads (Ulysses), so never above n_heads.
+    Raises ValueError for a non-positive size."""
+    seq_len, n_heads = positive_int("seq_len", seq_len), positive_int("n_heads", n_heads)
+    return [c for c in range(2, n_heads + 1) if n_heads % c == 0 and seq_len % (2 * c) == 0]
 
 
 def model_cases(world_size: int, spec: str = "lab-tiny-llama") -> tuple[list[dict], list[str]]:
@@ -668,6 +686,10 @@ def block_costs(*, batch: int, n_heads: int, block_len: int, head_dim: int, repe
             "diagonal_over_full": best["diagonal"] / best["full"]}
 
 
+#: measured zigzag max/min kernel time within this of 1 counts as "even" in :func:`imbalance`'s conclusion
+EVEN_TOLERANCE = 0.15
+
+
 def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict:
     """The causal imbalance of contiguous (naive) sharding vs zigzag, from a :func:`profile_table` (the
     configs whose ``cp`` is the largest in the table, causal), for ``method``:
@@ -682,6 +704,8 @@ def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict
       its measured cost relative to a full block;
     * ``shows_imbalance`` (bool): the measured naive ratio exceeds both 1.2 and the measured zigzag ratio
       by 0.15 — the timing shows what the counts say;
+    * ``zigzag_even`` (bool): the measured zigzag max/min is within :data:`EVEN_TOLERANCE` of 1; only then
+      does the conclusion say zigzag evened the work out, otherwise it says how far from even it stayed;
     * ``conclusion``: one sentence written from these numbers (what this run showed, not what it should).
 
     Raises ValueError when the table has no causal naive and zigzag rows of ``method`` at cp >= 2."""
@@ -709,6 +733,7 @@ def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict
     timed = all(x == x for x in cpu_n + cpu_z)  # NaN on a GPU: no CPU kernel time
     out["measured_naive_ratio"] = cpu_n[-1] / cpu_n[0] if timed else float("nan")
     out["measured_zigzag_ratio"] = max(cpu_z) / min(cpu_z) if timed else float("nan")
+    out["zigzag_even"] = bool(timed and out["measured_zigzag_ratio"] <= 1.0 + EVEN_TOLERANCE)
     out["shows_imbalance"] = bool(timed and out["measured_naive_ratio"] > 1.2
                                   and out["measured_naive_ratio"] > out["measured_zigzag_ratio"] + 0.15)
     counted = (f"Counted: with contiguous sharding the last of {cp} ranks computed "
@@ -724,8 +749,16 @@ def imbalance(table, costs: dict | None = None, *, method: str = "ring") -> dict
         ratios = (f"last/first {out['measured_naive_ratio']:.2f} naive (predicted {cp} from the counts{weighted}), "
                   f"max/min {out['measured_zigzag_ratio']:.2f} zigzag")
         if out["shows_imbalance"]:
-            timing = (f"Measured kernel CPU time (least-disturbed repeat) shows the imbalance in this run: {ratios}; "
-                      "zigzag evens the work out.")
+            zz_ratio = out["measured_zigzag_ratio"]
+            if out["zigzag_even"]:
+                after = (f"zigzag evens the work out (its busiest rank within {zz_ratio - 1:.0%} of the least busy, "
+                         f"tolerance {EVEN_TOLERANCE:.0%}).")
+            else:
+                after = (f"zigzag narrowed the spread but did not even it out: its busiest rank still took "
+                         f"{zz_ratio - 1:.0%} more kernel time than the least busy (counted blocks: equal), more than "
+                         f"the {EVEN_TOLERANCE:.0%} this lab calls even.")
+            timing = ("Measured kernel CPU time (least-disturbed repeat) shows the imbalance in this run: "
+                      f"{ratios}; " + after)
         else:
             timing = (f"Measured kernel CPU time (least-disturbed repeat) does NOT show the imbalance in this run: "
                       f"{ratios}. The counts above are exact; the timing was blurred, most likely by other "

@@ -410,6 +410,40 @@ def scaling_rank(ctx, local_batch_sizes=(1, 2, 4, 8), *, model: str = "lab-tiny-
     return out
 
 
+def scaling_findings(rows) -> str:
+    """What :func:`scaling_rank`'s sweep showed, as sentences computed from its rows (nothing assumed).
+
+    ``rows``: dicts (or a DataFrame's records) with ``local_batch_size`` and ``efficiency``. Sorted by local
+    batch, the efficiencies either rise (each at least the one before), fall, or move both ways; the sentence
+    says which, with the numbers, and only in the first case that the sweep shows the expected trend (compute
+    grows with the batch, the all-reduce does not: Li et al. 2020, sec. 5). Raises ValueError for no rows or a
+    row without those keys."""
+    rows = list(rows.to_dict("records") if hasattr(rows, "to_dict") else rows)
+    if not rows:
+        raise ValueError("scaling_findings() got no rows; expected scaling_rank's rows (local_batch_size, efficiency)")
+    missing = [k for k in ("local_batch_size", "efficiency") if any(k not in r for r in rows)]
+    if missing:
+        raise ValueError(f"scaling_findings() rows lack {missing}; expected scaling_rank's rows")
+    rows = sorted(rows, key=lambda r: r["local_batch_size"])
+    b = [int(r["local_batch_size"]) for r in rows]
+    e = [float(r["efficiency"]) for r in rows]
+    listed = ", ".join(f"b={x}: {y:.2f}" for x, y in zip(b, e))
+    text = f"Measured efficiency (compute_s / dp_s) by local batch: {listed}."
+    if len(e) < 2:
+        return text + " One local batch size: no trend to read; give scaling_batch_sizes more values."
+    steps = [y - x for x, y in zip(e, e[1:])]
+    if all(d >= 0 for d in steps):
+        return text + (" In this run efficiency rose with the local batch, as the model predicts: the compute grows "
+                       "with b, the all-reduce's bytes do not.")
+    if all(d <= 0 for d in steps):
+        return text + (" In this run efficiency FELL with the local batch, against the model: at these sizes the "
+                       "timings are milliseconds and noise from other processes dominates; re-run, or raise "
+                       "seq_len or the batch sizes.")
+    return text + (f" In this run efficiency shows no monotone trend ({e[0]:.2f} at the smallest batch, {e[-1]:.2f} "
+                   "at the largest): at these sizes the timings are milliseconds and noise from other processes "
+                   "outweighs the effect; re-run, or raise seq_len or the batch sizes to see it.")
+
+
 def check_batch(world_size: int, global_batch_size, n_microbatches=1, *, dp_name: str = "dp") -> int:
     """Validate a data-parallel batch split before any launch; returns the local batch size.
 

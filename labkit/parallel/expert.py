@@ -92,9 +92,14 @@ def check_chapter(*, world_size: int, tokens_per_rank: int, hidden_size: int, ff
                         ("ffn_hidden_size", ffn_hidden_size), ("repeats", repeats)):
         positive_int(name, value)
     if positive_int("n_experts", n_experts) % world_size:
-        check_divides("ep", world_size, "n_experts", n_experts,
-                      hint=f"chapter 08 runs ep = world_size={world_size}; choose a world_size from that list "
-                           "or an n_experts it divides")
+        valid = chapter_ep_degrees(n_experts)
+        fix = (f"world_size (= ep) values that pass every rule of chapter 08 with n_experts={n_experts}: "
+               f"{', '.join(map(str, valid))}" if valid else
+               f"no world_size >= 2 divides n_experts={n_experts}: choose an n_experts with a divisor >= 2, e.g. "
+               "n_experts=8")
+        raise ValueError(f"ep=world_size={world_size} does not divide n_experts={n_experts} (chapter 08 runs ep = "
+                         f"world_size, each rank holding n_experts/ep experts); {fix}; or choose an n_experts it "
+                         "divides")
     check_expert_parallel(n_experts, ep=world_size, top_k=top_k, capacity_factor=capacity_factor)
     if isinstance(capacity_factors, (str, bytes)) or not hasattr(capacity_factors, "__iter__"):
         raise ValueError(f"capacity_factors={capacity_factors!r} must be a list of numbers > 0, e.g. [0.5, 1.0, 2.0]")
@@ -106,6 +111,13 @@ def check_chapter(*, world_size: int, tokens_per_rank: int, hidden_size: int, ff
                          f"the dropped fraction falling as capacity grows); e.g. {sorted(set(cfs))}")
     moe_spec(spec)
     resolve_backend(backend, world_size)
+
+
+def chapter_ep_degrees(n_experts: int) -> list[int]:
+    """The world_size (= ep) values chapter 08 accepts for ``n_experts`` (the backend aside): ep >= 2 dividing
+    n_experts. Raises ValueError for n_experts < 1."""
+    n_experts = positive_int("n_experts", n_experts)
+    return [e for e in range(2, n_experts + 1) if n_experts % e == 0]
 
 
 def parity_tokens(world_size: int, n_experts: int, top_k: int) -> int:

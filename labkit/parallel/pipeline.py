@@ -149,6 +149,35 @@ def check_job(job: dict, pp: int) -> dict:
     return job
 
 
+def _min_chapter_microbatches(p: int) -> int:
+    """The fewest micro-batches every schedule of chapter 06 runs with on ``p`` ranks (a multiple of p)."""
+    need = max(sim.min_microbatches(name, p) for name in sim.SCHEDULES)
+    return -(-need // p) * p
+
+
+def _microbatch_problem(p: int, m: int, gbs: int) -> str | None:
+    """Why chapter 06 cannot run ``m`` micro-batches of ``gbs`` sequences on ``p`` ranks, or None."""
+    for name in sim.SCHEDULES:
+        try:
+            sim.check_schedule_args(name, p, m, 2 if name == "interleaved" else 1)
+        except ValueError:
+            return (f"does not suit every schedule of this chapter on pp={p}: 1F1B needs n_microbatches >= "
+                    f"{max(sim.min_microbatches(n, p) for n in sim.SCHEDULES)} and the interleaved schedule a "
+                    f"multiple of pp={p} (Narayanan et al. 2021)")
+    if gbs % m:
+        return f"does not divide global_batch_size={gbs} (micro-batches must be equal)"
+    return None
+
+
+def chapter_microbatches(pp: int, global_batch_size: int) -> list[int]:
+    """The n_microbatches chapter 06 accepts for ``global_batch_size`` on ``pp`` ranks: divisors of the batch
+    that every schedule runs with (>= :func:`labkit.simulate.min_microbatches`, a multiple of pp for the
+    interleaved schedule). Empty when none. Raises ValueError for pp < 2 or a non-positive batch."""
+    pp = positive_int("pp", pp, minimum=2)
+    gbs = positive_int("global_batch_size", global_batch_size)
+    return [d for d in range(1, gbs + 1) if gbs % d == 0 and _microbatch_problem(pp, d, gbs) is None]
+
+
 def check_chapter(*, world_size, n_microbatches=None, op_ms=20.0, sweep=(1, 2, 4), steps=2,
                   spec_name: str = "lab-tiny-llama", vocab_size=8192, global_batch_size=None, seq_len=32,
                   bubble_tol=0.05, timeout_s=180.0) -> dict:
@@ -170,8 +199,16 @@ def check_chapter(*, world_size, n_microbatches=None, op_ms=20.0, sweep=(1, 2, 4
 
     p = harness.check_world_size("06", world_size, why="a pipeline needs at least two stages, one per rank")
     m = positive_int("n_microbatches", n_microbatches) if n_microbatches is not None else 2 * p
-    for name in sim.SCHEDULES:
-        sim.check_schedule_args(name, p, m, 2 if name == "interleaved" else 1)
+    gbs = positive_int("global_batch_size", global_batch_size) if global_batch_size is not None else 2 * m
+    problem = _microbatch_problem(p, m, gbs)
+    if problem:
+        valid = chapter_microbatches(p, gbs)
+        fix = (f"n_microbatches that pass every rule with global_batch_size={gbs} on pp={p}: "
+               f"{', '.join(map(str, valid))}" if valid else
+               f"no n_microbatches passes every rule with global_batch_size={gbs} on pp={p}; use a "
+               f"global_batch_size that is a multiple of {_min_chapter_microbatches(p)}, e.g. "
+               f"global_batch_size={2 * _min_chapter_microbatches(p)}")
+        raise ValueError(f"n_microbatches={m} {problem}; {fix}")
     ks = [positive_int(f"sweep[{i}]", k) for i, k in enumerate(sweep)]
     if not ks:
         raise ValueError("sweep=[] is empty: give at least one factor k (m = k * world_size), e.g. sweep=[1, 2]")
@@ -183,7 +220,6 @@ def check_chapter(*, world_size, n_microbatches=None, op_ms=20.0, sweep=(1, 2, 4
     positive_float("timeout_s", timeout_s)
     steps = positive_int("steps", steps)
     spec = get_spec(spec_name).replace(n_layers=2 * p, vocab_size=positive_int("vocab_size", vocab_size))
-    gbs = positive_int("global_batch_size", global_batch_size) if global_batch_size is not None else 2 * m
     costs = OpCosts(f=op_s, b=op_s, w=op_s)
     ms = sorted({k * p for k in ks} | {m})
     jobs = [dict(schedule=s, n_microbatches=mm, steps=steps, costs=costs) for mm in ms for s in ("gpipe", "1f1b")]

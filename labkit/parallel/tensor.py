@@ -1651,7 +1651,8 @@ def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = 
       MLP and SwiGLU MLP, GQA attention (kv heads split or replicated), each with and without SP; the whole
       model (Llama-style with a padded vocabulary, GPT-style with tied embeddings, each TP and TP+SP): logits,
       loss, every gradient, losses and weights over ``steps`` AdamW steps; the vocab-parallel loss with
-      padding; the DTensor variant (TP and TP+SP). fp32, tolerances from ``labkit.models.TOLERANCES``.
+      padding; the DTensor variant (TP and TP+SP). When ``spec_name == gelu_spec_name`` a case that would
+      repeat another (same model, same SP flag) runs once. fp32, tolerances from ``labkit.models.TOLERANCES``.
     * ``comm``: {"tp": records, "sp": records, "sp_no_regather": records} of one training step of
       ``spec_name`` (CommLog, tagged ``where/phase``), to compare with :func:`comm_theory_model`;
       ``socket_bytes``: {same keys: bytes this rank wrote to gloo's sockets during that step (measured), or
@@ -1698,8 +1699,10 @@ def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = 
         gfull = _perturb(build_model(gspec, seed, device=dev)).layers[0].mlp
         parity += _block_parity(ctx, "MLP column -> GELU(tanh) -> row", gfull,
                                 ParallelMLP(copy_module(gfull), sequence_parallel=sp), x, sp)
-        sfull = _perturb(build_model(spec, seed, device=dev)).layers[0].mlp
-        parity += _block_parity(ctx, "MLP SwiGLU", sfull, ParallelMLP(copy_module(sfull), sequence_parallel=sp), x, sp)
+        if spec != gspec:  # the same model twice (model == gelu_model) would repeat the GELU rows
+            sfull = _perturb(build_model(spec, seed, device=dev)).layers[0].mlp
+            label = "MLP SwiGLU" if spec.mlp == "swiglu" else f"MLP {spec.mlp} ({spec_name})"
+            parity += _block_parity(ctx, label, sfull, ParallelMLP(copy_module(sfull), sequence_parallel=sp), x, sp)
         afull = _perturb(build_model(spec, seed, device=dev)).layers[0].attn
         plan = kv_plan(spec.n_heads, spec.n_kv_heads, n)
         parity += _block_parity(ctx, f"attention GQA ({spec.n_heads} q / {spec.n_kv_heads} kv heads, kv {plan})",
@@ -1708,7 +1711,11 @@ def tp_check_rank(ctx, spec_name: str = "lab-tiny-llama", gelu_spec_name: str = 
     lap("linear, MLP, attention")
     parity += _loss_parity(ctx, 255, batch_size * seq_len)
     padded_spec = spec.replace(vocab_size=spec.vocab_size - 3)
-    for s, sp in ((spec, False), (padded_spec, True), (gspec, False), (gspec, True)):
+    model_cases: list = []
+    for case in ((spec, False), (padded_spec, True), (gspec, False), (gspec, True)):
+        if case not in model_cases:  # model == gelu_model: its TP case runs once
+            model_cases.append(case)
+    for s, sp in model_cases:
         parity += _model_parity(ctx, s, sp, batch_size, seq_len, steps, lr, seed)
     lap("loss, whole models")
     for sp in dtensor_sp:
@@ -1808,6 +1815,46 @@ def step_time_rank(ctx, spec_name: str = "lab-tiny-llama", variants=("tp1", "han
                 times[v].append(time.perf_counter() - t0)
     return {"step_s": times, "losses": losses, "tp": n, "spec": spec_name, "batch_size": batch_size,
             "seq_len": seq_len, "steps": steps, "warmup": warmup, "threads": torch.get_num_threads()}
+
+
+def step_time_findings(step_s: dict, tp: int, *, near: float = 0.1) -> str:
+    """What chapter 05's step-time run showed, as sentences computed from it (nothing assumed).
+
+    ``step_s``: ``{variant: [seconds per measured step]}`` from :func:`step_time_rank` with a ``"tp1"`` entry;
+    ``tp``: the degree the other variants ran at. Compares each variant's median step time with tp = 1's:
+    speedup = median(tp1) / median(variant). Within ``near`` (10 %) of 1 it says "about as fast"; below, that
+    on this run the collectives cost more than the arithmetic TP split; above, that the split arithmetic
+    outweighed them. Raises ValueError when ``step_s`` has no ``"tp1"`` entry, a variant has no times, or
+    ``tp`` < 2."""
+    tp = positive_int("tp", tp, minimum=2)
+    if "tp1" not in step_s:
+        raise ValueError(f"step_s has variants {sorted(step_s)}; expected a 'tp1' entry to compare against")
+    empty = [v for v, t in step_s.items() if not len(t)]
+    if empty:
+        raise ValueError(f"step_s has no measured steps for {empty}; every variant needs at least one")
+
+    def median(t):
+        return sorted(t)[len(t) // 2]
+
+    base = median(step_s["tp1"])
+    parts, slower, faster = [], [], []
+    for v, t in step_s.items():
+        if v == "tp1":
+            continue
+        speedup = base / median(t)
+        parts.append(f"{v} {median(t) * 1e3:.1f} ms ({speedup:.2f}x)")
+        (slower if speedup < 1 - near else faster if speedup > 1 + near else []).append(v)
+    text = (f"Measured median step time: tp1 {base * 1e3:.1f} ms; at tp={tp}: " + ", ".join(parts)
+            + " (speedup vs tp1 in brackets).")
+    if slower:
+        text += (f" {', '.join(slower)} ran slower than one rank: in this run the collectives TP adds to every "
+                 "layer cost more than the arithmetic it split.")
+    if faster:
+        text += f" {', '.join(faster)} ran faster than one rank: the split arithmetic outweighed the collectives."
+    about = [v for v in step_s if v != "tp1" and v not in slower and v not in faster]
+    if about:
+        text += f" {', '.join(about)} ran about as fast as one rank (within {near:.0%})."
+    return text
 
 
 def check_chapter(*, world_size, model: str = "lab-tiny-llama", gelu_model: str = "lab-tiny-gpt", batch_size=2,
