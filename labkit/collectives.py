@@ -906,7 +906,8 @@ def overlap_verdict(summary: pd.DataFrame, *, world_size: int, backend: str = "g
       says so only when the run hid less than :data:`CROWDED_SHORTFALL` of the bound);
     * ``required_hidden_fraction`` — what the chapter's check asks for when ``compute_covers_comm``:
       :data:`MIN_HIDDEN_FRACTION`, or just more than 0 (overlapped exposes less than serialised) when
-      oversubscribed; ``hides`` — the run met it;
+      oversubscribed; ``hides`` — the run met it; ``checked`` — whether a chapter should assert ``hides``:
+      compute covers the communication and every rank has a core (oversubscribed, a run may hide nothing);
     * ``conclusion`` — the sentence.
 
     Raises ValueError when the summary lacks the ``serialised`` or ``overlapped`` row, or world_size < 1."""
@@ -924,6 +925,8 @@ def overlap_verdict(summary: pd.DataFrame, *, world_size: int, backend: str = "g
     out = {"hidden_fraction": hidden, "predicted_max_hidden_fraction": bound,
            "compute_covers_comm": comp >= comm, "oversubscribed": over, "required_hidden_fraction": required,
            "hides": hidden > required if over else hidden >= required,
+           # the chapter asserts ``hides`` only where physics promises it: enough compute, a core per rank
+           "checked": comp >= comm and not over,
            "serialised_exposed_ms": float(s.loc["serialised", "exposed_comm_s"]) * 1e3,
            "overlapped_exposed_ms": float(s.loc["overlapped", "exposed_comm_s"]) * 1e3}
     numbers = (f"compute {comp * 1e3:.1f} ms beside an all-reduce of {comm * 1e3:.1f} ms (serialised, measured); "

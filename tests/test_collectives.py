@@ -160,6 +160,8 @@ def test_overlap_verdict_follows_the_numbers():
     assert not col.overlap_verdict(little, world_size=2, cores=2)["hides"]
     crowded = col.overlap_verdict(little, world_size=4, cores=2)  # ... but more than nothing with 2 ranks a core
     assert crowded["oversubscribed"] and crowded["hides"] and crowded["required_hidden_fraction"] == 0.0
+    assert not crowded["checked"]  # oversubscribed: a run may hide nothing, so the chapter asserts nothing
+    assert hid["checked"] and worse["checked"] and not short["checked"]  # a core per rank and enough compute
     assert "4 ranks share 2 cores" in crowded["conclusion"] and "likely reason less hid" in crowded["conclusion"]
     # oversubscribed but 98% hidden: no claim that the shared cores hid less (the tester's world_size=3 run)
     crowded_ok = col.overlap_verdict(_overlap_summary(30, 10, 0.2), world_size=3, cores=2)
