@@ -655,7 +655,8 @@ def make_plan(world_size: int, *, model: str | None = None, n_requests: int = 16
     both run at the largest concurrency of the ramp.
 
     Raises ValueError naming the bad value: unknown model, mode or dtype; tp (= world_size) not dividing the
-    model's heads; a concurrency that is not a multiple of world_size; a request longer than max_seq_len.
+    model's heads; a concurrency that is not a multiple of world_size; a request longer than max_seq_len;
+    cancel_step or lose_at_step not below output_len (the first requests would be done by then).
     """
     world_size = positive_int("world_size", world_size)
     model = model or default_model(world_size)
@@ -678,6 +679,11 @@ def make_plan(world_size: int, *, model: str | None = None, n_requests: int = 16
     workload = {"n_requests": n_requests, "short_prompt": short_prompt, "long_prompt": long_prompt,
                 "long_every": long_every, "output_len": output_len}
     _check_workload(spec, make_workload(**workload))
+    for name, step in (("cancel_step", cancel_step), ("lose_at_step", lose_at_step if world_size > 1 else None)):
+        if step is not None and step >= output_len:
+            # a later step is never reached by the first requests: the experiment would not happen
+            raise ValueError(f"{name}={step} must be below output_len={output_len}, so that the first requests are "
+                             f"still decoding at that step: use 1 to {output_len - 1}, or None to skip it")
     top = max(ramp)
     plan = {"model": model, "seed": seed, "dtype": dtype, "attention": attention, "workload": workload,
             "modes": modes, "ramp": ramp, "parity": parity, "warmup": warmup}
@@ -717,10 +723,6 @@ def check_chapter(*, world_size: int, model: str | None, n_requests: int, short_
                      long_prompt=positive_int("long_prompt", long_prompt),
                      output_len=positive_int("output_len", output_len), ramp=ramp, cancel_step=cancel_step,
                      lose_at_step=lose_at_step, detect_timeout_s=detect_timeout_s)
-    for name, step in (("cancel_step", cancel_step), ("lose_at_step", lose_at_step)):
-        if step is not None and step >= output_len:
-            raise ValueError(f"{name}={step} must be below output_len={output_len}, so that the first requests are "
-                             f"still decoding at that step: use 1 to {output_len - 1}, or None to skip it")
     check_fits_in_memory(plan["model"], world_size, copies=1, what="chapter 10's serving runs")
     sizes = {"gpus": positive_int("gpus", gpus), "gpu": gpu,
              "concurrency": positive_int("concurrency_gpu", concurrency_gpu),
