@@ -93,6 +93,13 @@ class Topology:
                    costmodel.get_link(inter), float(d["peak_bf16_tflops"]) * 1e12, int(d["memory_bytes"]),
                    costmodel.base_latency_s("ring"))
 
+    def check_whole_nodes(self, gpus: int, name: str = "gpus") -> None:
+        """Raise ValueError (naming ``name``) unless ``gpus`` fills whole nodes of ``gpus_per_node`` (or fits
+        in one node)."""
+        if gpus > self.gpus_per_node and gpus % self.gpus_per_node:
+            raise ValueError(f"{name}={gpus} is not a whole number of nodes of gpus_per_node={self.gpus_per_node}; "
+                             f"use a multiple of {self.gpus_per_node}")
+
     def collective_s(self, op: str, nbytes: float, degree: int, stride: int) -> float:
         """Predicted seconds of one ``op`` on a group of ``degree`` ranks ``stride`` apart in the rank order:
         :func:`labkit.costmodel.collective_time` (ring) with the group's ranks per node from
@@ -352,9 +359,7 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
     if max_tp is not None:
         max_tp = positive_int("max_tp", max_tp)
     topo = Topology.of(gpu, gpus_per_node, inter_link)
-    if gpus > topo.gpus_per_node and gpus % topo.gpus_per_node:
-        raise ValueError(f"gpus={gpus} is not a whole number of nodes of gpus_per_node={topo.gpus_per_node}; "
-                         f"use a multiple of {topo.gpus_per_node}")
+    topo.check_whole_nodes(gpus)
     check_choice("recompute", recompute, RECOMPUTE_CHOICES)
     check_choice("zero", zero, (0, 1, 2, 3))
     headroom = positive_float("headroom", headroom, allow_zero=True)

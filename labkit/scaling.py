@@ -31,7 +31,6 @@ there is none — never an invented GPU number.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ import pandas as pd
 
 from labkit import records
 from labkit.checks import check_choice, check_divides, positive_int
+from labkit.collectives import cpu_cores
 from labkit.paths import data_dir
 
 MODES = ("strong", "weak")
@@ -211,10 +211,6 @@ def torchrun_point(ctx, experiment: str = "train", strong_total: int | None = No
 # ------------------------------------------------------------------------------------------------------
 # notebook side
 # ------------------------------------------------------------------------------------------------------
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _rows_of(out: dict, world_size: int, backend: str, cores: int) -> list[dict]:
     return [{"world_size": world_size, "threads_per_rank": out["threads"], "cores": cores, "backend": backend, **r,
              "source": "measured"} for r in out["rows"]]
@@ -261,8 +257,7 @@ def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total: in
     if positive_int("strong_total", strong_total) % world_size:
         raise ValueError(f"strong_total={strong_total} must split evenly over every world size of the series "
                          f"{sizes}, i.e. be a multiple of {world_size}: use {world_size}, {2 * world_size}, ...")
-    for n in sizes:
-        cases_for(n, strong_total=strong_total, weak_per_rank=weak_per_rank)
+    cases_for(world_size, strong_total=strong_total, weak_per_rank=weak_per_rank)  # every size divides world_size
     spec = get_spec(model)
     if seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds {model}'s max_seq_len={spec.max_seq_len}; use at most that")
@@ -301,7 +296,7 @@ def run(experiments="train", world_sizes: Sequence[int] = (1, 2, 4), *, strong_t
     for w in sizes:
         res = launch(series_rank, w, [dict(j, cases=plans[w]) for j in jobs], warmup, repeats, backend=backend,
                      timeout_s=timeout_s, threads_per_rank=threads_per_rank)
-        rows += _rows_of(res[0], w, res.backend, _cores())
+        rows += _rows_of(res[0], w, res.backend, cpu_cores())
         timelines[w] = res.timeline
     df = efficiency(pd.DataFrame(rows), baseline_world_size)
     df.attrs["timelines"] = timelines
@@ -363,7 +358,7 @@ def predict_train(model: str = "lab-tiny-llama", world_sizes: Sequence[int] = (1
     from labkit.spec import get_spec
 
     spec = get_spec(model)
-    cores = positive_int("cores", cores if cores is not None else _cores())
+    cores = positive_int("cores", cores if cores is not None else cpu_cores())
     threads_per_rank = positive_int("threads_per_rank", threads_per_rank)
     fpt = flops_per_token(spec, seq_len, training=True)
     rows = []
@@ -395,7 +390,7 @@ def measure_peak(n: int = 768, repeats: int = 10, tries: int = 3) -> dict:
 
     from labkit.models import measure_matmul_peak
 
-    cores = _cores()
+    cores = cpu_cores()
     tries = positive_int("tries", tries)
     before = torch.get_num_threads()
     try:
@@ -450,7 +445,7 @@ def from_torchrun(out_dirs: Sequence[str | Path], baseline_world_size: int | Non
     for d in out_dirs:
         res = load_results(d)
         meta = json.loads((Path(d) / "meta.json").read_text())
-        for r in _rows_of(res[0], res.world_size, res.backend, _cores()):
+        for r in _rows_of(res[0], res.world_size, res.backend, cpu_cores()):
             rows.append({**r, "n_nodes": meta.get("n_nodes", 1)})
     return efficiency(pd.DataFrame(rows), baseline_world_size)
 

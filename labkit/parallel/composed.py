@@ -123,10 +123,7 @@ def check_chapter(*, world_size: int, model: str, steps: int, seq_len: int, n_mi
     positive_float("timeout_s", timeout_s)
     spec = get_spec(model)
     get_spec(plan_model)
-    topo = Topology.of(plan_gpu, gpus_per_node, DEFAULT_INTER_LINK)
-    if plan_gpus > topo.gpus_per_node and plan_gpus % topo.gpus_per_node:
-        raise ValueError(f"plan_gpus={plan_gpus} is not a whole number of nodes of gpus_per_node={gpus_per_node}; "
-                         f"use a multiple of {gpus_per_node}")
+    Topology.of(plan_gpu, gpus_per_node, DEFAULT_INTER_LINK).check_whole_nodes(plan_gpus, "plan_gpus")
     dp = world_size // 2
     runs = [{"kind": "dp_tp", "dp": dp, "tp": 2}, {"kind": "dp_tp_hand", "dp": dp, "tp": 2},
             {"kind": "pp_dp", "pp": 2, "dp": dp}]
