@@ -17,7 +17,8 @@ import statistics
 
 from labkit import launch
 from labkit.cli import run_main
-from labkit.parallel import data, harness, zero
+from labkit.experiments.common import ratio_verdict, throughput_rank
+from labkit.parallel import data, zero
 
 GOALS = {("bucket", "ddp"): 0.95, ("zero3", "fsdp2"): 0.90}
 
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
             {"variant": "ddp", "bucket_cap_bytes": cap, "log_comm": False},  # DDP's own C++ all-reduce hook
             {"variant": "zero3"}, {"variant": "fsdp2"}]
     wrappers = {**data.WRAPPERS, **zero.WRAPPERS}
-    res = launch(harness.throughput_rank, args.world_size, wrappers, runs, model=args.model, steps=args.steps,
+    res = launch(throughput_rank, args.world_size, wrappers, runs, model=args.model, steps=args.steps,
                  repeats=args.repeats, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
                  backend=args.backend, timeout_s=900)
     tps = res[0]
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     lines = []
     for (mine, theirs), goal in GOALS.items():
         # rounds interleave the variants, so each round's pair saw the same machine load: median of the ratios
-        line, met = harness.ratio_verdict(f"ratio {mine}/{theirs} tokens/s, per round",
+        line, met = ratio_verdict(f"ratio {mine}/{theirs} tokens/s, per round",
                                           [a / b for a, b in zip(tps[mine], tps[theirs])], goal,
                                           higher_is_better=True)
         ok &= met

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from labkit import launch
 from labkit.checks import positive_int
 from labkit.cli import run_main
-from labkit.parallel.harness import ratio_verdict
+from labkit.experiments.common import ratio_verdict
 
 SCRIPT = textwrap.dedent("""
     import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Seconds for labkit.planner.plan to enumerate, validate and score every mesh of 16,384 GPUs.
+"""Seconds for labkit.theory.planner.plan to enumerate, validate and score every mesh of 16,384 GPUs.
 
 Each repeat runs in a fresh interpreter (the planner's and the calculator's caches start cold, as in a new
 notebook kernel or a ``labkit plan`` call) and times only the ``plan(...)`` call, not the imports. The
@@ -21,7 +21,7 @@ from labkit.cli import run_main
 
 CHILD = """
 import json, sys, time
-from labkit import planner
+from labkit.theory import planner
 kw = json.loads(sys.argv[1])
 t0 = time.perf_counter()
 p = planner.plan(**kw)

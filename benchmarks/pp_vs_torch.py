@@ -16,9 +16,9 @@ import argparse
 import statistics
 
 from labkit.cli import run_main
-from labkit.parallel import harness
+from labkit.experiments.common import ratio_verdict
 from labkit.parallel import pipeline as pl
-from labkit.spec import get_spec
+from labkit.theory.spec import get_spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(bubbles[impl]):14.3f}")
     print(f"ratio labkit/torch best step time (measured, least disturbed) = "
           f"{min(times['labkit']) / min(times['torch']):.3f}")
-    line, met = harness.ratio_verdict("ratio labkit/torch median step time, per round",
+    line, met = ratio_verdict("ratio labkit/torch median step time, per round",
                                       [a / b for a, b in zip(per_round["labkit"], per_round["torch"])], 1.0,
                                       higher_is_better=False)
     print(line)

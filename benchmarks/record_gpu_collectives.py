@@ -22,7 +22,7 @@ import time
 import torch
 
 from labkit import collectives as col
-from labkit import records
+from labkit.runtime import records
 
 
 def main(argv=None) -> int:

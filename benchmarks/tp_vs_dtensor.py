@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from labkit import launch
+    from labkit.experiments.common import ratio_verdict
     from labkit.models import TOLERANCES
-    from labkit.parallel import harness
     from labkit.parallel import tensor as tp
 
     variants = ("hand_sp", "dtensor_sp") if args.sp else ("hand", "dtensor")
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tp_vs_dtensor: the two variants did not train the same model", file=sys.stderr)
         return 1
     # the variants ran interleaved step by step, so each step's pair saw the same machine load
-    line, met = harness.ratio_verdict("hand/DTensor step-time ratio, per step",
+    line, met = ratio_verdict("hand/DTensor step-time ratio, per step",
                                       [a / b for a, b in zip(r["step_s"][variants[0]], r["step_s"][variants[1]])],
                                       1.0, higher_is_better=False)
     print(line)

@@ -2,10 +2,10 @@
 
 Two kinds of modules (see DESIGN.md):
 
-* predict — pure Python, no torch import: ``labkit.spec``, ``labkit.memory``, ``labkit.costmodel``,
-  ``labkit.simulate``, ``labkit.mesh``, ``labkit.planner``, ``labkit.timeline``.
-* run / measure — ``labkit.launch`` (the only way to start ranks), ``labkit.rank``, ``labkit.records``,
-  ``labkit.models``, ``labkit.measure``, ``labkit.collectives``, ``labkit.parallel``.
+* predict — pure Python, no torch import: ``labkit.theory.spec``, ``labkit.theory.memory``, ``labkit.theory.costmodel``,
+  ``labkit.theory.simulate``, ``labkit.theory.mesh``, ``labkit.theory.planner``, ``labkit.runtime.timeline``.
+* run / measure — ``labkit.launch`` (the only way to start ranks), ``labkit.runtime.rank``, ``labkit.runtime.records``,
+  ``labkit.models``, ``labkit.runtime.measure``, ``labkit.collectives``, ``labkit.parallel``.
 
 ``from labkit import launch`` is resolved lazily so that importing a predict module never imports torch.
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "launch": ("labkit.launcher", "launch"),
-    "LaunchError": ("labkit.launcher", "LaunchError"),
-    "RankFailed": ("labkit.launcher", "RankFailed"),
-    "LaunchTimeout": ("labkit.launcher", "LaunchTimeout"),
-    "LaunchResult": ("labkit.launcher", "LaunchResult"),
-    "RankContext": ("labkit.rank", "RankContext"),
-    "Timeline": ("labkit.timeline", "Timeline"),
+    "launch": ("labkit.runtime.launcher", "launch"),
+    "LaunchError": ("labkit.runtime.launcher", "LaunchError"),
+    "RankFailed": ("labkit.runtime.launcher", "RankFailed"),
+    "LaunchTimeout": ("labkit.runtime.launcher", "LaunchTimeout"),
+    "LaunchResult": ("labkit.runtime.launcher", "LaunchResult"),
+    "RankContext": ("labkit.runtime.rank", "RankContext"),
+    "Timeline": ("labkit.runtime.timeline", "Timeline"),
 }
 
 __all__ = ["__version__", *_LAZY]

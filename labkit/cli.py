@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_main(name: str, fn) -> int:
     """Call ``fn()`` (a command or a benchmark's main) and turn what users cause into one line on stderr and an
     exit status: ValueError or OSError (bad input, an unusable path) -> 2; a failed or timed-out launch
-    (labkit.launcher.LaunchError) -> 1; Ctrl-C -> 130; a closed stdout (``... --json | head``) -> 0, quietly.
+    (labkit.runtime.launcher.LaunchError) -> 1; Ctrl-C -> 130; a closed stdout (``... --json | head``) -> 0, quietly.
     Anything else is a bug and keeps its traceback. Returns ``fn()``'s status (None -> 0)."""
     try:
         return int(fn() or 0)
@@ -57,7 +57,7 @@ def run_main(name: str, fn) -> int:
         print(f"{name}: error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from labkit.launcher import LaunchError
+        from labkit.runtime.launcher import LaunchError
 
         if not isinstance(e, LaunchError):
             raise

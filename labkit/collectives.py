@@ -5,7 +5,7 @@ re-partition (all-to-all) moves beside a reduce-scatter.
 Run side: the ``*_rank`` functions run inside ranks started by :func:`labkit.launch` (``launch(fn, n, ...)``);
 the plain functions (:func:`sweep`, :func:`ar_vs_rs_ag`, :func:`overlap`, :func:`repartition_bytes`) launch
 them and return pandas DataFrames / dicts; :func:`measure` runs several of them in one launch. The formulas
-(busbw factors, alpha-beta) live in :mod:`labkit.costmodel` and are re-exported here.
+(busbw factors, alpha-beta) live in :mod:`labkit.theory.costmodel` and are re-exported here.
 
 Timing rules (every measured number here follows them): ``warmup`` untimed calls first; before each timed
 repeat a barrier (device synchronised first); the device synchronised again before the clock is read (CUDA
@@ -20,7 +20,6 @@ reduce_scatter: the full input; all_to_all: the whole send buffer); ``count`` = 
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
 import time
@@ -29,9 +28,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from labkit import records
 from labkit.checks import check_choice, positive_int
-from labkit.costmodel import (  # noqa: F401 - re-exported: the sweep's formulas
+from labkit.paths import data_dir
+from labkit.runtime import records
+from labkit.runtime.probes import cpu_cores, socket_bytes_written  # noqa: F401 - re-exported
+from labkit.theory.costmodel import (  # noqa: F401 - re-exported: the sweep's formulas
     FACTOR_TEXT,
     OPS,
     SPLIT_OPS,
@@ -43,7 +44,6 @@ from labkit.costmodel import (  # noqa: F401 - re-exported: the sweep's formulas
     check_world_size,
     fit_alpha_beta,
 )
-from labkit.paths import data_dir
 
 #: dtype name -> bytes per element
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -182,9 +182,9 @@ def check_chapter(*, world_size: int, ops, min_size, max_size, factor: int, warm
         ValueError: world_size < 2 (a collective needs a peer), an unknown op, a bad size or range, a range
             that gives fewer than 2 sizes for some op (the alpha-beta fit needs at least 2), factor < 2,
             warmup < 0, repeats < 1, n_matmuls or matmul_size < 1, or a backend the machine cannot run
-            (:func:`labkit.launcher.resolve_backend`) — each naming the value and what would be valid.
+            (:func:`labkit.runtime.launcher.resolve_backend`) — each naming the value and what would be valid.
     """
-    from labkit.launcher import resolve_backend
+    from labkit.runtime.launcher import resolve_backend
 
     world_size = positive_int("world_size", world_size)
     if world_size < 2:
@@ -564,7 +564,7 @@ FIT_COLUMNS = ["op", "world_size", "alpha_s", "beta_s_per_byte", "fit_algbw_gbps
 
 
 def fit_table(df: pd.DataFrame) -> pd.DataFrame:
-    """alpha-beta fit (:func:`labkit.costmodel.fit_alpha_beta`) per (op, world_size) of a sweep table,
+    """alpha-beta fit (:func:`labkit.theory.costmodel.fit_alpha_beta`) per (op, world_size) of a sweep table,
     using only unflagged rows with ``wrong == 0``.
 
     Columns: op, world_size, alpha_s, beta_s_per_byte, fit_algbw_gbps (1/beta), fit_busbw_gbps,
@@ -804,7 +804,7 @@ def overlap_rank(ctx, nbytes: int = 4 << 20, matmul_size: int = 256, n_matmuls: 
     import torch
     import torch.distributed as dist
 
-    from labkit.timeline import now_ns
+    from labkit.runtime.timeline import now_ns
 
     dev = ctx.device
     buf = torch.ones(nbytes // 4, device=dev)
@@ -853,10 +853,10 @@ def overlap_summary(timeline: pd.DataFrame, serial_steps: Sequence[int],
     """From the timeline of :func:`overlap_rank`: one row per mode (``serialised``, ``overlapped``) with the
     median over (rank, step) of ``compute_s``, ``comm_s`` (the comm event: in overlapped steps it runs from
     issue to the end of ``wait()``), ``step_s`` (first event start to last event end), ``exposed_comm_s``
-    (comm time during which the rank computes nothing, :func:`labkit.timeline.exposed_ns`), and
+    (comm time during which the rank computes nothing, :func:`labkit.runtime.timeline.exposed_ns`), and
     ``hidden_fraction`` = 1 - exposed (overlapped) / comm (serialised): the share of the communication's own
     time that compute covered. All measured."""
-    from labkit.timeline import exposed_ns
+    from labkit.runtime.timeline import exposed_ns
 
     out = []
     for mode, steps in (("serialised", serial_steps), ("overlapped", overlap_steps)):
@@ -883,11 +883,6 @@ MIN_HIDDEN_FRACTION = 0.2
 #: an oversubscribed run's verdict blames the shared cores only when the hidden fraction is below this share
 #: of the predicted bound (min(1, compute / comm)); closer to the bound there is nothing to explain.
 CROWDED_SHORTFALL = 0.8
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def overlap_verdict(summary: pd.DataFrame, *, world_size: int, backend: str = "gloo",
@@ -980,19 +975,6 @@ def _overlap_finish(per_rank: list, spec: dict, world_size: int, res) -> dict:
 # ------------------------------------------------------------------------------------------------------
 # re-partition (all-to-all) vs reduce-scatter: bytes moved
 # ------------------------------------------------------------------------------------------------------
-def socket_bytes_written() -> int | None:
-    """Bytes this process has written through write-like system calls (``wchar`` in /proc/self/io; gloo's
-    TCP sends are among them). None where /proc/self/io does not exist (not Linux)."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("wchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def repartition_rank(ctx, nbytes: int, dtype: str = "float32") -> dict:
     """Inside a rank: for an activation of M = ``nbytes`` in total,
 
@@ -1099,7 +1081,7 @@ def measure(world_size: int = 2, *, sweep: dict | None = None, ar_vs_rs_ag: dict
         ValueError: world_size < 2, no experiment, an unknown keyword, or an experiment's own bad input.
         labkit.LaunchError: a rank failed or the run timed out.
     """
-    from labkit.launcher import launch
+    from labkit.runtime.launcher import launch
 
     world_size = positive_int("world_size", world_size)  # each experiment says how many ranks its ops need
     specs = {"sweep": sweep, "ar_vs_rs_ag": ar_vs_rs_ag, "repartition": repartition, "overlap": overlap}

@@ -1,6 +1,6 @@
 """The lab's model and training harness, used by every strategy chapter.
 
-* :class:`Transformer` — a small decoder-only transformer built from a :class:`~labkit.spec.ModelSpec`:
+* :class:`Transformer` — a small decoder-only transformer built from a :class:`~labkit.theory.spec.ModelSpec`:
   Llama-style (RMSNorm, RoPE, grouped-query attention, SwiGLU) or GPT-style (LayerNorm, learned positions,
   GELU(tanh), biases, dropout). Attention is ``F.scaled_dot_product_attention`` ("sdpa", the default) or an
   eager kernel that materialises the score matrix ("eager").
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.checks import check_choice, positive_float, positive_int
-from labkit.spec import ModelSpec, flops_per_token, get_spec
+from labkit.theory.spec import ModelSpec, flops_per_token, get_spec
 
 ATTENTION_KINDS = ("sdpa", "eager")
 
@@ -234,8 +234,7 @@ class Transformer(nn.Module):
         return self.lm_head(x) if self.lm_head is not None else x @ self.embed.weight.t()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        if tokens.shape[1] > self.spec.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.spec.max_seq_len}")
+        self.spec.check_seq_len(tokens.shape[1], "sequence length")
         x = self.embed_tokens(tokens, positions)
         for layer in self.layers:
             x = layer(x, positions)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from labkit import timeline as tl
+from labkit.runtime import timeline as tl
 
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
@@ -111,7 +111,7 @@ def residual_figure(df: pd.DataFrame, title: str | None = None) -> go.Figure:
 
 def ring_tree_figure(rows, title: str | None = None) -> go.Figure:
     """*Predicted* all-reduce time vs size, ring (solid) vs tree (dashed), one colour per world size, from
-    :func:`labkit.costmodel.ring_vs_tree` rows."""
+    :func:`labkit.theory.costmodel.ring_vs_tree` rows."""
     df = pd.DataFrame(rows)
     fig = go.Figure()
     colors = _colors(df["world_size"].unique())
@@ -174,7 +174,7 @@ NAME_COLORS = {"F": "#4C78A8", "B": "#E45756", "W": "#54A24B", "send": "#F58518"
 
 def timeline_figure(df: pd.DataFrame, *, color_by: str = "kind", title: str = "Per-rank timeline (measured)",
                     label: str | None = None, height: int | None = None) -> go.Figure:
-    """A Gantt chart of a timeline frame (:mod:`labkit.timeline` columns): one row per rank, one bar per
+    """A Gantt chart of a timeline frame (:mod:`labkit.runtime.timeline` columns): one row per rank, one bar per
     event, time in ms from the earliest event. ``color_by``: ``"kind"`` or ``"name"``. ``label``: a column
     whose value is written on each bar (e.g. ``"microbatch"``). Hover shows name, kind, step, micro-batch,
     stage, duration and bytes.
@@ -253,7 +253,7 @@ def serving_split_figure(summary: pd.DataFrame, title: str | None = None) -> go.
 
 def kv_trace_figure(kv: pd.DataFrame, title: str | None = None) -> go.Figure:
     """KV cache bytes over time per replica: *measured* (bytes of live cache tensors, solid) and *predicted*
-    (labkit.memory.kv_cache_bytes of the live requests, dashed); the cancel storm as a marker."""
+    (labkit.theory.memory.kv_cache_bytes of the live requests, dashed); the cancel storm as a marker."""
     fig = go.Figure()
     colors = _colors(kv["replica"].unique())
     for rep, g in kv.groupby("replica", sort=False):

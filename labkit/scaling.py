@@ -37,10 +37,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from labkit import records
 from labkit.checks import check_choice, check_divides, positive_int
 from labkit.collectives import cpu_cores
 from labkit.paths import data_dir
+from labkit.runtime import records
 
 MODES = ("strong", "weak")
 REFERENCE_FORMAT = "labkit.scaling/v1"
@@ -117,7 +117,7 @@ def resolve_experiment(experiment) -> Callable:
     if callable(experiment):
         return experiment
     if isinstance(experiment, str) and ":" in experiment:
-        from labkit.worker import resolve_function
+        from labkit.runtime.worker import resolve_function
 
         return resolve_function(experiment)
     check_choice("experiment", experiment, EXPERIMENTS)
@@ -163,7 +163,7 @@ def series_rank(ctx, jobs: Sequence[dict], warmup: int = 1, repeats: int = 3) ->
     import torch
     import torch.distributed as dist
 
-    from labkit.timeline import now_ns
+    from labkit.runtime.timeline import now_ns
 
     rows = []
     for job in jobs:
@@ -201,7 +201,7 @@ def series_rank(ctx, jobs: Sequence[dict], warmup: int = 1, repeats: int = 3) ->
 def torchrun_point(ctx, experiment: str = "train", strong_total: int | None = None,
                    weak_per_rank: int | None = None, warmup: int = 1, repeats: int = 3, **kwargs) -> dict:
     """The same measurement under ``torchrun`` (JSON keyword arguments; one world size per run: the one
-    torchrun started). ``torchrun ... -m labkit.worker labkit.scaling:torchrun_point --kwargs
+    torchrun started). ``torchrun ... -m labkit.runtime.worker labkit.scaling:torchrun_point --kwargs
     '{"experiment": "train", "strong_total": 16, "weak_per_rank": 4}' --out DIR``; read the runs back with
     :func:`from_torchrun`."""
     cases = cases_for(ctx.world_size, strong_total=strong_total, weak_per_rank=weak_per_rank)
@@ -242,9 +242,9 @@ def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total: in
     of two, sizes < 1, ``strong_total`` not a multiple of world_size (every size of the series splits it),
     an unknown model, a model this machine's memory cannot hold on world_size ranks, or a backend the machine
     cannot run."""
-    from labkit.launcher import resolve_backend
-    from labkit.parallel.harness import check_fits_in_memory, check_world_size
-    from labkit.spec import get_spec
+    from labkit.chapters.common import check_fits_in_memory, check_world_size
+    from labkit.runtime.launcher import resolve_backend
+    from labkit.theory.spec import get_spec
 
     world_size = check_world_size("11", world_size, why="a scaling series needs at least two world sizes")
     sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world_size]
@@ -259,8 +259,7 @@ def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total: in
                          f"{sizes}, i.e. be a multiple of {world_size}: use {world_size}, {2 * world_size}, ...")
     cases_for(world_size, strong_total=strong_total, weak_per_rank=weak_per_rank)  # every size divides world_size
     spec = get_spec(model)
-    if seq_len > spec.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds {model}'s max_seq_len={spec.max_seq_len}; use at most that")
+    spec.check_seq_len(seq_len)
     check_fits_in_memory(spec, max(sizes), copies=1, what="chapter 11's training series")
     resolve_backend(backend, max(sizes))
     return sizes
@@ -285,7 +284,7 @@ def run(experiments="train", world_sizes: Sequence[int] = (1, 2, 4), *, strong_t
     Raises ValueError before any launch: an unknown experiment, a world size that does not divide
     ``strong_total``, neither mode asked for, an empty series.
     """
-    from labkit.launcher import launch
+    from labkit.runtime.launcher import launch
 
     sizes = [positive_int("world_size", w) for w in world_sizes]
     if not sizes:
@@ -355,7 +354,7 @@ def predict_train(model: str = "lab-tiny-llama", world_sizes: Sequence[int] = (1
 
     Raises ValueError as :func:`cases_for`, or for an unknown model."""
     from labkit.models import flops_per_token
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     spec = get_spec(model)
     cores = positive_int("cores", cores if cores is not None else cpu_cores())
@@ -438,8 +437,8 @@ def format_table(df: pd.DataFrame) -> str:
 def from_torchrun(out_dirs: Sequence[str | Path], baseline_world_size: int | None = None) -> pd.DataFrame:
     """The series from the folders that ``torchrun ... labkit.scaling:torchrun_point --out DIR`` wrote (one
     per world size), as :func:`run` returns it (with ``n_nodes``). Raises ValueError for a folder without a
-    complete run (:func:`labkit.launcher.load_results`)."""
-    from labkit.launcher import load_results
+    complete run (:func:`labkit.runtime.launcher.load_results`)."""
+    from labkit.runtime.launcher import load_results
 
     rows = []
     for d in out_dirs:

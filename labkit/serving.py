@@ -11,7 +11,7 @@ Measured (run side, inside ranks launched by :func:`labkit.launch`):
 * KV cache: one tensor per request, ``[n_layers, 2, n_kv_heads/tp, prompt_len + max_new_tokens, head_dim]``,
   reserved at admission and freed when the request finishes or is cancelled. :meth:`Engine.live_kv_bytes`
   *measures* the bytes of the cache tensors still alive (weak references to every cache ever allocated: a
-  leaked reference keeps its bytes counted); :func:`labkit.memory.kv_cache_bytes` *predicts* them.
+  leaked reference keeps its bytes counted); :func:`labkit.theory.memory.kv_cache_bytes` *predicts* them.
 * Tensor parallelism for inference with :func:`labkit.parallel.tensor.apply_tp` (the same model the training
   chapter splits): attention heads (query and key/value heads together, so grouped-query attention keeps its
   groups) and MLP hidden units column/row-parallel, one all-reduce after attention and one after the MLP
@@ -29,7 +29,7 @@ Measured (run side, inside ranks launched by :func:`labkit.launch`):
   is retried once the group is rebuilt with a replacement rank). Errors are counted by type.
 
 Predicted (pure arithmetic, no launch): :func:`predict_deployments` — replicas vs TP for a published model on
-real GPUs (memory from :mod:`labkit.memory`, all-reduce time from :mod:`labkit.costmodel`, a roofline for
+real GPUs (memory from :mod:`labkit.theory.memory`, all-reduce time from :mod:`labkit.theory.costmodel`, a roofline for
 prefill and decode).
 
 Every table says in a ``source`` column whether its numbers are measured or predicted.
@@ -49,11 +49,11 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from labkit import memory as mem
 from labkit.checks import check_choice, check_divides, positive_float, positive_int
 from labkit.models import Transformer, apply_rope, build_model
-from labkit.spec import ModelSpec, get_spec
-from labkit.timeline import now_ns
+from labkit.runtime.timeline import now_ns
+from labkit.theory import memory as mem
+from labkit.theory.spec import ModelSpec, get_spec
 
 MODES = ("replicas", "tp")
 #: server errors a request attempt can end with (failures: they count in the error rate)
@@ -111,7 +111,7 @@ def _check_workload(spec: ModelSpec, requests: list[dict]) -> None:
 def check_tp(spec: ModelSpec, tp: int) -> None:
     """Raise ValueError unless ``tp`` can split ``spec`` for serving: :func:`labkit.parallel.tensor.check_tp`
     (heads, ffn_hidden_size, vocabulary), and tp must divide n_kv_heads (every rank keeps its own kv heads'
-    cache, as :func:`labkit.memory.kv_cache_bytes` counts it; replicated kv heads are not served here)."""
+    cache, as :func:`labkit.theory.memory.kv_cache_bytes` counts it; replicated kv heads are not served here)."""
     from labkit.parallel.tensor import check_tp as tensor_check_tp
 
     tensor_check_tp(spec, tp)
@@ -262,7 +262,7 @@ class Engine:
 
     ``timeline``: where prefill / decode / cancel events go (``ctx.timeline``); ``seed``: prompt seed
     (:func:`prompt_tokens`). With a TP model (:func:`shard_tp`) every collective of a serve call is recorded
-    (:class:`labkit.commlog.CommLog`, tagged prefill / decode): its time and count come back *measured*.
+    (:class:`labkit.runtime.commlog.CommLog`, tagged prefill / decode): its time and count come back *measured*.
     """
 
     def __init__(self, model: Transformer, *, timeline=None, seed: int = 0):
@@ -291,7 +291,7 @@ class Engine:
         return sum(t.untyped_storage().nbytes() for _, t in alive if t is not None)
 
     def predicted_kv_bytes(self, live: list[_Live]) -> int:
-        """Predicted: :func:`labkit.memory.kv_cache_bytes` of the tokens reserved by the live requests."""
+        """Predicted: :func:`labkit.theory.memory.kv_cache_bytes` of the tokens reserved by the live requests."""
         tokens = sum(x.req["prompt_len"] + x.req["max_new_tokens"] for x in live)
         return mem.kv_cache_bytes(self.spec, tokens, _KV_DTYPE_NAMES[self.dtype], tp=self.tp)
 
@@ -436,7 +436,7 @@ class Engine:
     def _commlog(self):
         if self.tp == 1:
             return contextlib.nullcontext()
-        from labkit.commlog import CommLog
+        from labkit.runtime.commlog import CommLog
 
         return CommLog()
 
@@ -709,8 +709,8 @@ def check_chapter(*, world_size: int, model: str | None, n_requests: int, short_
     steps < 1, cancel_step or lose_at_step >= output_len), a model this machine's memory cannot hold, a backend
     the machine cannot run, what :func:`predict_deployments` refuses (unknown big model or GPU, sizes < 1), and
     a big model that fits on no TP degree of gpus x gpu (:func:`check_deployments_fit`)."""
-    from labkit.launcher import resolve_backend
-    from labkit.parallel.harness import check_fits_in_memory, check_world_size
+    from labkit.chapters.common import check_fits_in_memory, check_world_size
+    from labkit.runtime.launcher import resolve_backend
 
     world_size = check_world_size("10", world_size, why="replicas vs tensor parallelism on the same ranks")
     model = model or default_model(world_size)
@@ -749,7 +749,7 @@ def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0,
 
     ``kwargs`` are :func:`make_plan`'s. Raises what make_plan raises, and launch errors.
     """
-    from labkit.launcher import launch
+    from labkit.runtime.launcher import launch
 
     plan = make_plan(world_size, **kwargs)
     res = launch(serve_rank, world_size, plan, backend=backend, timeout_s=timeout_s)
@@ -771,7 +771,7 @@ def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0,
             kv += [dict(t, replica=i) for t in g["kv_trace"]]
             c = g["cancel"] or {}
             canc.append({"replica": i, **c, "kv_bytes_at_end_measured": g["kv_bytes_at_end_measured"],
-                         "source": "measured (bytes of live cache tensors) / predicted (labkit.memory)"})
+                         "source": "measured (bytes of live cache tensors) / predicted (labkit.theory.memory)"})
             errs += [dict(r, experiment="cancel storm", replica=i) for r in g["records"]]
         out["kv"] = pd.DataFrame(kv)
         out["cancel"] = pd.DataFrame(canc)
@@ -971,14 +971,14 @@ def predict_deployments(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8
     """*Predicted* serving of ``model`` on ``gpus`` GPUs of one node: for each TP degree, ``gpus / tp``
     replicas share ``concurrency`` sequences evenly. One row per TP degree:
 
-    * memory per GPU — :func:`labkit.memory.infer_memory` (weights, KV cache for batch × (prompt + output),
+    * memory per GPU — :func:`labkit.theory.memory.infer_memory` (weights, KV cache for batch × (prompt + output),
       workspace, headroom): ``peak_bytes_per_gpu``, ``fits``, ``max_batch_per_replica``
-      (:func:`labkit.memory.serving_rows`);
+      (:func:`labkit.theory.memory.serving_rows`);
     * decode step (one token for every sequence of a replica) — a roofline: the larger of reading this
       GPU's weights and the batch's KV cache at mean context (prompt + output/2) from HBM
       (``hbm_gbps × hbm_efficiency``), and the FLOPs ``batch × flops_per_token(ctx, inference) / tp`` at
       ``peak × mfu``; plus 2 all-reduces per layer of ``batch × hidden × 2`` bytes over NVLink
-      (:func:`labkit.costmodel.collective_time`). Decode is memory-bound at small batch (Pope et al. 2022,
+      (:func:`labkit.theory.costmodel.collective_time`). Decode is memory-bound at small batch (Pope et al. 2022,
       "Efficiently Scaling Transformer Inference", Sec. 2-3); the all-reduces are Megatron's (Shoeybi et al.
       2019, Sec. 3). ``tpot_s`` = that step, ``tps_per_seq`` = 1 / tpot, ``throughput_tok_s`` = replicas ×
       batch / tpot;
@@ -993,9 +993,9 @@ def predict_deployments(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8
     Raises ValueError for an unknown model or GPU, a GPU without peak/bandwidth data, a TP degree that does
     not divide ``gpus`` or the model, or ``concurrency`` not a multiple of the number of replicas.
     """
-    from labkit import costmodel as cm
     from labkit.checks import divisors
     from labkit.models import flops_per_token
+    from labkit.theory import costmodel as cm
 
     spec = get_spec(model) if isinstance(model, str) else model
     gpus = positive_int("gpus", gpus)
@@ -1076,8 +1076,8 @@ def check_deployments_fit(pred: pd.DataFrame, model: str | ModelSpec, *, gpus: i
     shortfall per GPU, and what would fit instead: every GPU of data/hardware.yaml with peak and bandwidth data
     on which some TP degree fits, the largest preset of data/models.yaml that fits here, and more GPUs only
     when a larger TP degree exists (tp must divide the model's heads, kv heads and ffn_hidden_size)."""
-    from labkit import costmodel as cm
-    from labkit.spec import presets
+    from labkit.theory import costmodel as cm
+    from labkit.theory.spec import presets
 
     if pred["fits"].any():
         return

@@ -1,14 +1,14 @@
 """ipywidgets panels over the predict modules, and the plotly figures they draw.
 
 * :func:`memory_panel` — model, parallel degrees, batch, sequence, recompute, ZeRO stage, device: redraws a
-  stacked bar of the predicted memory per rank (labkit.memory) and the verdict on every change.
+  stacked bar of the predicted memory per rank (labkit.theory.memory) and the verdict on every change.
 * :func:`memory_bars` — stacked bars of one or more budgets (predicted, or measured: the caller labels them).
 * :func:`measured_vs_predicted` — per category, measured beside predicted, grouped bars.
 
 * :func:`planner_panel` — model, GPUs, GPU kind, node size, sequence, global batch, ZeRO stage, assumed MFU:
-  re-plans (labkit.planner.plan) on every change and shows the ranked meshes and their predicted step times.
+  re-plans (labkit.theory.planner.plan) on every change and shows the ranked meshes and their predicted step times.
 * :func:`plan_bars` — stacked bars of the predicted step time of the best meshes of a plan, by part.
-* :func:`grid_figure` — the rank grid of a :class:`labkit.mesh.ParallelDims`: one cell per rank, a row per
+* :func:`grid_figure` — the rank grid of a :class:`labkit.theory.mesh.ParallelDims`: one cell per rank, a row per
   pipeline stage, coloured by node.
 
 Views only: no torch import; ipywidgets is imported when a panel is built, so the figures work without it.
@@ -26,8 +26,8 @@ from collections.abc import Mapping
 
 import plotly.graph_objects as go
 
-from labkit import memory as mem
 from labkit.checks import check_choice, positive_int
+from labkit.theory import memory as mem
 
 #: one colour per memory category, shared by every memory figure
 CATEGORY_COLORS = {
@@ -69,7 +69,7 @@ def memory_bars(budgets: Mapping[str, mem.MemoryEstimate | Mapping[str, int]], *
                 title: str = "Predicted memory per rank", device_bytes: int | None = None,
                 height: int = 420) -> go.Figure:
     """Stacked bars, one per budget (``label -> MemoryEstimate`` or ``label -> {category: bytes}``), one
-    segment per category of :data:`labkit.memory.CATEGORIES`; a dashed line at ``device_bytes`` when given.
+    segment per category of :data:`labkit.theory.memory.CATEGORIES`; a dashed line at ``device_bytes`` when given.
     Say in ``title`` (or the labels) whether the numbers are predicted or measured.
 
     Raises ValueError for an unknown unit or a category name outside CATEGORIES.
@@ -98,8 +98,8 @@ def memory_bars(budgets: Mapping[str, mem.MemoryEstimate | Mapping[str, int]], *
 
 def measured_vs_predicted(measured: Mapping[str, int], predicted: Mapping[str, int], *, unit: str = "KiB",
                           title: str = "Memory per rank: measured vs predicted") -> go.Figure:
-    """Grouped bars per category: ``measured`` (bytes, from labkit.measure) beside ``predicted`` (bytes,
-    from labkit.memory). Categories present in either are shown; the hover gives measured/predicted."""
+    """Grouped bars per category: ``measured`` (bytes, from labkit.runtime.measure) beside ``predicted`` (bytes,
+    from labkit.theory.memory). Categories present in either are shown; the hover gives measured/predicted."""
     div = _unit(unit)
     names = [c for c in mem.CATEGORIES if c in measured or c in predicted]
     names += [c for c in list(measured) + list(predicted) if c not in names]
@@ -117,7 +117,7 @@ def measured_vs_predicted(measured: Mapping[str, int], predicted: Mapping[str, i
 def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb", **defaults):
     """An ipywidgets panel: pick the model, dp/tp/pp, ZeRO stage, micro-batch, sequence length, recompute,
     attention and device; a stacked bar of the predicted training memory per rank and the verdict redraw on
-    every change (labkit.memory.estimate, a few ms). Invalid combinations (tp not dividing the heads, ...)
+    every change (labkit.theory.memory.estimate, a few ms). Invalid combinations (tp not dividing the heads, ...)
     show the ValueError's message instead of a bar.
 
     ``defaults`` preset any widget (dp, tp, pp, zero, micro_batch_size, seq_len, recompute, attention).
@@ -128,7 +128,7 @@ def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb",
 
     import ipywidgets as w
 
-    from labkit.spec import presets
+    from labkit.theory.spec import presets
 
     models = sorted(presets())
     check_choice("model", model, models)
@@ -187,16 +187,16 @@ def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb",
     return box
 
 
-#: one colour per part of a predicted step (labkit.planner.TIME_PARTS)
+#: one colour per part of a predicted step (labkit.theory.planner.TIME_PARTS)
 TIME_COLORS = {"compute_s": "#4C78A8", "bubble_s": "#BAB0AC", "tp_s": "#F58518", "cp_s": "#72B7B2",
                "ep_s": "#B279A2", "pp_s": "#54A24B", "dp_s": "#E45756"}
 
 
 def plan_bars(plan, *, top: int = 10, title: str | None = None, height: int = 420) -> go.Figure:
     """Stacked bars of the *predicted* step time of the ``top`` best meshes of ``plan`` (a
-    :class:`labkit.planner.Plan`), one segment per part (compute, bubble, TP, CP, EP, PP, exposed DP), the
+    :class:`labkit.theory.planner.Plan`), one segment per part (compute, bubble, TP, CP, EP, PP, exposed DP), the
     rank and mesh on the x axis; the hover gives the peak memory and the predicted MFU."""
-    from labkit.planner import PART_NAMES, TIME_PARTS
+    from labkit.theory.planner import PART_NAMES, TIME_PARTS
 
     cands = plan.candidates[:top]
     labels = [f"#{c.rank} dp{c.dp} tp{c.tp} pp{c.pp} cp{c.cp}" + (f" ep{c.ep}" if c.ep > 1 else "") for c in cands]
@@ -217,7 +217,7 @@ def plan_bars(plan, *, top: int = 10, title: str | None = None, height: int = 42
 
 def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h100-80gb", top: int = 8,
                   **defaults):
-    """An ipywidgets panel over :func:`labkit.planner.plan`: pick the model, GPUs, GPU kind, GPUs per node,
+    """An ipywidgets panel over :func:`labkit.theory.planner.plan`: pick the model, GPUs, GPU kind, GPUs per node,
     sequence length, global batch (sequences), ZeRO stage and assumed MFU; every change re-plans (pure Python,
     well under a second) and redraws the ranked table and :func:`plan_bars`. Bad input (a model that fits
     nowhere, a batch no mesh divides) shows the ValueError's message instead.
@@ -229,8 +229,8 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
 
     import ipywidgets as w
 
-    from labkit import planner
-    from labkit.spec import presets
+    from labkit.theory import planner
+    from labkit.theory.spec import presets
 
     models = sorted(presets())
     check_choice("model", model, models)
@@ -297,7 +297,7 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
 
 
 def grid_figure(dims, gpus_per_node: int | None = None, *, title: str | None = None, height: int | None = None):
-    """The rank grid of ``dims`` (a :class:`labkit.mesh.ParallelDims`): a row per pipeline stage, a column per
+    """The rank grid of ``dims`` (a :class:`labkit.theory.mesh.ParallelDims`): a row per pipeline stage, a column per
     (dp, cp, tp) position in rank order, each cell labelled with its rank and coloured by node (with
     ``gpus_per_node``; else by dp index); the hover lists the rank's coordinates and its TP / CP / DP / PP
     groups."""

@@ -83,7 +83,7 @@ def test_benchmark_bad_argument_is_one_line_exit_2(script, bad):
 
 def test_run_main_maps_user_errors_to_exit_codes(capsys):
     from labkit.cli import run_main
-    from labkit.launcher import LaunchTimeout
+    from labkit.runtime.launcher import LaunchTimeout
 
     def timeout():
         raise LaunchTimeout("launch timed out after 1 s\nstacks...", rank=0, world_size=2, stacks={}, elapsed_s=1.0)

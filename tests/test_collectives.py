@@ -428,7 +428,7 @@ def test_bench_lets_launch_errors_and_broken_pipes_reach_the_cli(monkeypatch):
     """labkit.cli turns LaunchError and BrokenPipeError into one line and exit 2 for every command; the
     command must not swallow them (or print a traceback of its own)."""
     from labkit.commands import bench
-    from labkit.launcher import LaunchError
+    from labkit.runtime.launcher import LaunchError
 
     with pytest.raises(LaunchError):  # far too short for spawn + rendezvous
         bench.run(_bench_args("--timeout-s", "0.2", "--ops", "all_reduce", "--max-size", "1K"))

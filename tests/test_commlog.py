@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import launch
-from labkit.commlog import CommLog, all_gather_tensor, bus_factor, reduce_scatter_tensor
+from labkit.runtime.commlog import CommLog, all_gather_tensor, bus_factor, reduce_scatter_tensor
 
 
 def logged(ctx):

@@ -1,14 +1,14 @@
 """Composed 2-D runs on gloo: DP x TP = 2 x 2 and PP x DP = 2 x 2 in one 4-rank launch, compared with the
 single-process reference (forward: losses; backward: last-step gradients; updates: final weights) at the fp32
 tolerance of labkit.models.TOLERANCES; torch's mesh groups == ParallelDims' groups; measured model-state
-bytes per rank == labkit.memory's prediction. The comparison itself is checked to fail on a wrong result."""
+bytes per rank == labkit.theory.memory's prediction. The comparison itself is checked to fail on a wrong result."""
 
 import copy
 
 import pytest
 
-from labkit.mesh import MeshError
 from labkit.parallel import composed
+from labkit.theory.mesh import MeshError
 
 
 @pytest.fixture(scope="module")

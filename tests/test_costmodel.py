@@ -1,4 +1,4 @@
-"""labkit.costmodel: busbw factors, alpha-beta fit, ring/tree predictions, data/hardware.yaml. No launches."""
+"""labkit.theory.costmodel: busbw factors, alpha-beta fit, ring/tree predictions, data/hardware.yaml. No launches."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from labkit import costmodel as cm
+from labkit.theory import costmodel as cm
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_costmodel_imports_no_torch_numpy_or_pandas():
-    code = ("import sys, labkit.costmodel as cm; cm.ring_vs_tree([1024]); "
+    code = ("import sys, labkit.theory.costmodel as cm; cm.ring_vs_tree([1024]); "
             "cm.fit_alpha_beta([1, 2], [1.0, 2.0]); "
             "print(sorted(m for m in ('torch', 'numpy', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,

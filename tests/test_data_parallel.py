@@ -10,10 +10,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+import labkit.chapters.common as chapters_common
 from labkit import launch
+from labkit.chapters.common import check_exercise, check_fits_in_memory
+from labkit.experiments.common import (
+    PAYLOAD,
+    RING,
+    SOCKET,
+    assert_ranks_identical,
+    assert_state_close,
+    ratio_verdict,
+    summarize,
+    window,
+    wire_table,
+)
 from labkit.models import TOLERANCES, build_model, train_reference
-from labkit.parallel import data, harness
-from labkit.spec import get_spec
+from labkit.parallel import data
+from labkit.runtime.training import _carve, local_batch, microbatches
+from labkit.theory.spec import get_spec
 
 MODEL = "lab-tiny-llama"
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
@@ -57,9 +71,9 @@ def launched(request):
 def check_run(per_rank: list[dict], ref: dict) -> None:
     """What a correct data-parallel run must satisfy; raises AssertionError otherwise."""
     label = per_rank[0]["label"]
-    harness.assert_ranks_identical([r["grads"] for r in per_rank], f"{label} gradients")
-    harness.assert_ranks_identical([r["state"] for r in per_rank], f"{label} weights")
-    harness.assert_state_close(per_rank[0]["state"], ref["state_dict"], torch.float32, f"{label} weights")
+    assert_ranks_identical([r["grads"] for r in per_rank], f"{label} gradients")
+    assert_ranks_identical([r["state"] for r in per_rank], f"{label} weights")
+    assert_state_close(per_rank[0]["state"], ref["state_dict"], torch.float32, f"{label} weights")
     torch.testing.assert_close(per_rank[0]["losses"], ref["losses"], **TOLERANCES[torch.float32])
 
 
@@ -76,7 +90,7 @@ def test_parity_with_reference_and_replicas_identical(launched, reference):
         check_run(per_rank, reference)
     # without accumulation the gradients themselves match the reference's last-step gradients
     for label in ("naive", "bucket", "ddp"):
-        harness.assert_state_close(_by_label(res)[label][0]["grads"], reference["grads"], torch.float32, label)
+        assert_state_close(_by_label(res)[label][0]["grads"], reference["grads"], torch.float32, label)
 
 
 def test_wrong_sync_microbatch_is_caught(launched, reference):
@@ -104,7 +118,7 @@ def test_comm_bytes_equal_ring_allreduce_theory(launched):
         assert set(r0["comm"]) == {"all_reduce"}, label
         assert r0["payload_bytes_per_step"] == psi * 4, label
         assert r0["ring_bytes_per_step"] == pytest.approx(expected, rel=1e-12), label
-        events = harness.window(res.timeline, r0["window_ns"])
+        events = window(res.timeline, r0["window_ns"])
         comm = events[(events["kind"] == "comm") & (events["rank"] == 0)]
         assert comm["nbytes"].sum() == psi * 4 * STEPS, label
     # naive: one call per gradient tensor; bucketed: one per bucket (fewer)
@@ -122,16 +136,16 @@ def test_socket_bytes_are_measured_not_modelled(launched):
     n, res = launched
     if socket_bytes_written() is None:
         pytest.skip("no /proc/self/io on this platform")
-    table = harness.summarize(res).set_index("label")
-    wire = harness.wire_table(res).set_index("label")
+    table = summarize(res).set_index("label")
+    wire = wire_table(res).set_index("label")
     for label, per_rank in _by_label(res).items():
         for r in per_rank:
             sock, ring = r["socket_bytes_per_step"], r["ring_bytes_per_step"]
             assert ring <= sock < 1.1 * ring, (label, sock, ring)
         sock0 = per_rank[0]["socket_bytes_per_step"]
-        assert table.loc[label, harness.SOCKET] == sock0 != table.loc[label, harness.RING]
+        assert table.loc[label, SOCKET] == sock0 != table.loc[label, RING]
         assert 1.0 <= wire.loc[label, "measured / gloo model"] < 1.1, label
-    assert {harness.PAYLOAD, harness.RING, harness.SOCKET} <= set(table.columns)
+    assert {PAYLOAD, RING, SOCKET} <= set(table.columns)
     assert "comm_bytes_per_step" not in table.columns  # the old name mixed a model into a "measured" column
 
 
@@ -146,7 +160,7 @@ def test_accumulation_demo_reproduces_4_vs_7(launched):
 
 
 def test_model_state_bytes_replicated(launched):
-    """labkit.measure on every replica: 4Ψ parameters, 4Ψ gradients, 8Ψ AdamW moments + one 4-byte step
+    """labkit.runtime.measure on every replica: 4Ψ parameters, 4Ψ gradients, 8Ψ AdamW moments + one 4-byte step
     counter per parameter tensor."""
     n, res = launched
     psi = get_spec(MODEL).n_params()
@@ -173,18 +187,18 @@ def test_batch_helpers_reject_bad_sizes():
     from labkit.models import SyntheticLM
 
     d = SyntheticLM(32, 8)
-    tk, tg = harness.local_batch(d, 0, 8, 1, 4)
+    tk, tg = local_batch(d, 0, 8, 1, 4)
     assert tk.shape == (2, 8) and torch.equal(tk, d.batch(0, 8)[0][2:4])
     with pytest.raises(ValueError, match="dp=3 does not divide global_batch_size=8"):
-        harness.local_batch(d, 0, 8, 0, 3)
+        local_batch(d, 0, 8, 0, 3)
     with pytest.raises(ValueError, match="n_microbatches=3"):
-        harness.microbatches(tk, tg, 3)
+        microbatches(tk, tg, 3)
 
 
 def test_carve_removes_blocking_intervals():
     spans = [("B", 0, 100, {})]
-    assert harness._carve(spans, [(10, 20), (50, 120)]) == [("B", 0, 10, {}), ("B", 20, 50, {})]
-    assert harness._carve(spans, []) == spans
+    assert _carve(spans, [(10, 20), (50, 120)]) == [("B", 0, 10, {}), ("B", 20, 50, {})]
+    assert _carve(spans, []) == spans
 
 
 
@@ -223,12 +237,12 @@ def test_chapter_rank_passes_the_users_values_down(monkeypatch):
 
 
 def test_check_fits_in_memory(monkeypatch):
-    monkeypatch.setattr(harness, "_available_memory_bytes", lambda: 8 * 10**9)
-    harness.check_fits_in_memory("lab-tiny-llama", 4)
+    monkeypatch.setattr(chapters_common, "available_memory_bytes", lambda: 8 * 10**9)
+    check_fits_in_memory("lab-tiny-llama", 4)
     with pytest.raises(ValueError, match=r"model='llama-3-8b' .* choose a CPU-sized preset"):
-        harness.check_fits_in_memory("llama-3-8b", 2)
-    monkeypatch.setattr(harness, "_available_memory_bytes", lambda: None)  # not Linux: no check
-    harness.check_fits_in_memory("llama-3-8b", 2)
+        check_fits_in_memory("llama-3-8b", 2)
+    monkeypatch.setattr(chapters_common, "available_memory_bytes", lambda: None)  # not Linux: no check
+    check_fits_in_memory("llama-3-8b", 2)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -242,7 +256,7 @@ CHAPTERS = {"03_data_parallel": "data.check_chapter(", "04_zero_fsdp": "zero.che
 def test_chapter_parameters_parsed_and_checked_before_anything(name):
     """Every name in the parameters cell is one papermill can override (no '=' in a trailing comment hides a
     line), and the first code cell after it passes every one of them to the chapter's check function, before
-    any launch; the exercise's self-check goes through harness.check_exercise (no answer when not attempted)."""
+    any launch; the exercise's self-check goes through check_exercise (no answer when not attempted)."""
     import ast
     from pathlib import Path
 
@@ -262,30 +276,30 @@ def test_chapter_parameters_parsed_and_checked_before_anything(name):
     passed = {k.arg for k in call.keywords if isinstance(k.value, ast.Name) and k.value.id == k.arg}
     assert set(names) <= passed, f"not validated before the launch: {set(names) - passed}"
     checks = [c.source for c in nb.cells if c.cell_type == "code" and "answer" in c.source and "None" not in c.source
-              or "check_exercise" in c.source]
-    assert checks and all("harness.check_exercise(" in c for c in checks)
+              or "check_exercise" in c.source and "import check_exercise" not in c.source]
+    assert checks and all("check_exercise(" in c for c in checks)
     assert not any("reference answer" in c.source or "Reference:" in c.source for c in nb.cells)
 
 
 def test_check_exercise_never_shows_the_answer(capsys):
-    harness.check_exercise(None, 1_523_648, hint="count the all-reduces", wrong="no")
+    check_exercise(None, 1_523_648, hint="count the all-reduces", wrong="no")
     out = capsys.readouterr().out
     assert out.startswith("not attempted yet") and "count the all-reduces" in out
     assert "1523648" not in out.replace(",", "") and "1.52" not in out
     with pytest.raises(AssertionError) as e:
-        harness.check_exercise(1_000_000, 1_523_648, hint="h", wrong="think about no_sync")
+        check_exercise(1_000_000, 1_523_648, hint="h", wrong="think about no_sync")
     assert "think about no_sync" in str(e.value) and "1523648" not in str(e.value).replace(",", "")
-    harness.check_exercise(1_523_648.0000001, 1_523_648, hint="h", wrong="w")
+    check_exercise(1_523_648.0000001, 1_523_648, hint="h", wrong="w")
     assert capsys.readouterr().out.strip() == "correct"
 
 
 def test_ratio_verdict_prints_spread_and_misses():
-    line, met = harness.ratio_verdict("ratio a/b", [1.2, 0.9, 1.05], 1.0, higher_is_better=False)
+    line, met = ratio_verdict("ratio a/b", [1.2, 0.9, 1.05], 1.0, higher_is_better=False)
     assert not met and "= 1.050" in line and "0.900 to 1.200" in line and "NOT met" in line
-    line, met = harness.ratio_verdict("ratio a/b", [0.97, 0.99], 0.95, higher_is_better=True)
+    line, met = ratio_verdict("ratio a/b", [0.97, 0.99], 0.95, higher_is_better=True)
     assert met and line.endswith("met") and "0.970 to 0.990" in line
     with pytest.raises(ValueError, match="finite"):
-        harness.ratio_verdict("r", [], 1.0, higher_is_better=True)
+        ratio_verdict("r", [], 1.0, higher_is_better=True)
 
 
 def _load_benchmark(name):

@@ -15,7 +15,7 @@ import torch
 from labkit import launch
 from labkit.models import TOLERANCES, build_model
 from labkit.parallel import expert as ex
-from labkit.spec import get_spec
+from labkit.theory.spec import get_spec
 
 TOL = TOLERANCES[torch.float32]
 ROOT = Path(__file__).resolve().parent.parent

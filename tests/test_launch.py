@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import launch
-from labkit.launcher import LaunchTimeout, RankFailed, ShipError, load_results
+from labkit.runtime.launcher import LaunchTimeout, RankFailed, ShipError, load_results
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -295,7 +295,7 @@ def _start_caller():
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until both ranks run
         kids = ps.children(recursive=True)
-        if len([k for k in kids if "labkit.worker" in " ".join(k.cmdline())]) == 2:
+        if len([k for k in kids if "labkit.runtime.worker" in " ".join(k.cmdline())]) == 2:
             return proc, kids
         time.sleep(0.1)
     proc.kill()
@@ -330,7 +330,7 @@ def test_same_function_under_torchrun(tmp_path):
         pytest.skip("torchrun not installed next to this python")
     out = tmp_path / "hello"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "labkit.worker",
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "labkit.runtime.worker",
                            "labkit.experiments:straggler_all_reduce", "--kwargs", '{"work_ms": 5, "steps": 1}',
                            "--out", str(out)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
-"""labkit.measure: measured memory equals labkit.memory's prediction on the lab's model.
+"""labkit.runtime.measure: measured memory equals labkit.theory.memory's prediction on the lab's model.
 
 Model states (parameters, gradients, AdamW state) must match to the byte; saved activations within 5 % (the
-issue's bar) — and, on torch 2.13 on CPU, to the byte (the lab's derivation in labkit.memory.activation_items).
+issue's bar) — and, on torch 2.13 on CPU, to the byte (the lab's derivation in labkit.theory.memory.activation_items).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import torch
 import torch.nn as nn
 
 from labkit import launch
-from labkit import memory as mem
-from labkit.measure import (
+from labkit.runtime.measure import (
     RANK_OVERHEAD_BYTES,
     SavedActivations,
     check_training_run,
@@ -24,6 +23,7 @@ from labkit.measure import (
     model_state_bytes,
     tensor_bytes,
 )
+from labkit.theory import memory as mem
 
 CPU_CTX = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), sync=lambda: None, barrier=lambda: None)
 TORCH_213 = torch.__version__.startswith("2.13")
@@ -171,7 +171,7 @@ def test_check_training_run_refuses_what_the_host_cannot_hold():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(world_size=0), "world_size=0 must be an integer >= 1"),
-    (dict(seq_len=4096), "seq_len=4096 exceeds lab-tiny-llama's max_seq_len=128; valid seq_len: 1..128"),
+    (dict(seq_len=4096), "seq_len=4096 exceeds model 'lab-tiny-llama''s max_seq_len=128; use seq_len <= 128"),
     (dict(micro_batch_size=0), "micro_batch_size=0 must be an integer >= 1"),
     (dict(wraps=("zero2",)), "wrap='zero2' is not valid"),
     (dict(attention="flash"), "attention='flash' is not valid; choose one of: sdpa, eager"),

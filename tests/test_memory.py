@@ -1,4 +1,4 @@
-"""labkit.memory: formulas against the papers' own tables, property tests, bad input, the CLI."""
+"""labkit.theory.memory: formulas against the papers' own tables, property tests, bad input, the CLI."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from labkit import memory as m
 from labkit.checks import divisors
 from labkit.cli import main as cli_main
-from labkit.spec import ModelSpec, get_spec, presets
+from labkit.theory import memory as m
+from labkit.theory.spec import ModelSpec, get_spec, presets
 
 GPT3 = get_spec("gpt-3-175b")
 
@@ -24,10 +24,10 @@ GPT3 = get_spec("gpt-3-175b")
 # purity
 # ------------------------------------------------------------------------------------------------------
 def test_memory_imports_without_torch():
-    code = ("import sys, labkit.memory, labkit.commands.memory, labkit.widgets; "
-            "labkit.memory.train_memory('llama-3-8b'); sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = ("import sys, labkit.theory.memory, labkit.commands.memory, labkit.widgets; "
+            "labkit.theory.memory.train_memory('llama-3-8b'); sys.exit(1 if 'torch' in sys.modules else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0, f"importing labkit.memory pulled in torch: {r.stderr}"
+    assert r.returncode == 0, f"importing labkit.theory.memory pulled in torch: {r.stderr}"
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from labkit.mesh import (
+from labkit.theory.mesh import (
     DEFAULT_ORDER,
     RULES,
     MeshError,
@@ -18,13 +18,13 @@ from labkit.mesh import (
     enumerate_dims,
     grid_text,
 )
-from labkit.spec import ModelSpec, get_spec
+from labkit.theory.spec import ModelSpec, get_spec
 
 LLAMA70 = get_spec("llama-3-70b")
 
 
 # ------------------------------------------------------------------------------------------------------
-# an oracle written independently of labkit.mesh: the set of rules a configuration breaks
+# an oracle written independently of labkit.theory.mesh: the set of rules a configuration breaks
 # ------------------------------------------------------------------------------------------------------
 def oracle(world, dp, tp, pp, cp, ep, vpp, spec, seq_len, gbs, mbs):
     """Rules broken, in two phases as ParallelDims reports them: construction, then check()."""
@@ -231,7 +231,7 @@ def test_placement_and_node_rule():
 
 
 def test_violations_list_each_rule_once():
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     bad = ParallelDims(48, dp=2, tp=3, pp=8).violations(get_spec("llama-3-70b"), seq_len=8192,
                                                         global_batch_size=32, gpus_per_node=8)
@@ -253,8 +253,8 @@ def test_rules_are_documented():
 
 
 def test_predict_modules_do_not_import_torch():
-    code = ("import sys, labkit.mesh, labkit.planner, labkit.commands.plan; "
-            "import labkit.planner as p; p.plan('lab-tiny-llama', gpus=8, gpu='h100-80gb', seq_len=128, "
+    code = ("import sys, labkit.theory.mesh, labkit.theory.planner, labkit.commands.plan; "
+            "import labkit.theory.planner as p; p.plan('lab-tiny-llama', gpus=8, gpu='h100-80gb', seq_len=128, "
             "global_batch_size=8); assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

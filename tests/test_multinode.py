@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from labkit import scaling
-from labkit.launcher import load_results
+from labkit.runtime.launcher import load_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "examples" / "slurm"

@@ -127,12 +127,12 @@ def _cells(name):
 @pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
 def test_first_code_cell_refuses_a_bad_world_size_before_any_launch(path, monkeypatch):
     import labkit
-    import labkit.launcher
+    import labkit.runtime.launcher
 
     def no_launch(*a, **k):
         raise AssertionError("launched before validating the parameters")
 
-    monkeypatch.setattr(labkit.launcher, "launch", no_launch)
+    monkeypatch.setattr(labkit.runtime.launcher, "launch", no_launch)
     monkeypatch.setattr(labkit, "launch", no_launch)
     params, first, _ = _cells(path.stem)
     ns = {}
@@ -143,7 +143,7 @@ def test_first_code_cell_refuses_a_bad_world_size_before_any_launch(path, monkey
 
 
 # chapter -> (module the exercise cell uses, its alias, the answer variable, the reference variable)
-EXERCISES = {"02_collectives": ("labkit.costmodel", "cm", "answer_bytes", "reference_bytes"),
+EXERCISES = {"02_collectives": ("labkit.theory.costmodel", "cm", "answer_bytes", "reference_bytes"),
              "07_context_parallel": ("labkit.parallel.context", "cpx", "answer", "reference"),
              "08_expert_parallel": ("labkit.parallel.expert", "ex", "answer", "reference")}
 

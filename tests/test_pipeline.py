@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from labkit import launch
-from labkit import simulate as sim
 from labkit.models import TOLERANCES, build_model, lm_loss, train_reference
 from labkit.parallel import pipeline as pl
-from labkit.simulate import OpCosts
-from labkit.spec import get_spec
+from labkit.theory import simulate as sim
+from labkit.theory.simulate import OpCosts
+from labkit.theory.spec import get_spec
 
 TOL = TOLERANCES[torch.float32]
 STEPS, GBS, SEQ, LR = 2, 8, 16, 1e-3
@@ -26,12 +26,12 @@ STEPS, GBS, SEQ, LR = 2, 8, 16, 1e-3
 # ------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def no_launch(monkeypatch):
-    import labkit.launcher
+    import labkit.runtime.launcher
 
     def boom(*a, **k):
         raise AssertionError("launch() was called; the bad input should have been refused before it")
 
-    monkeypatch.setattr(labkit.launcher, "launch", boom)
+    monkeypatch.setattr(labkit.runtime.launcher, "launch", boom)
 
 
 def test_batch_not_divisible_by_microbatches(no_launch):
@@ -75,9 +75,9 @@ def test_bad_options(no_launch, kwargs, match):
 
 
 def test_hand_runner_refused_on_nccl(no_launch, monkeypatch):
-    import labkit.launcher
+    import labkit.runtime.launcher
 
-    monkeypatch.setattr(labkit.launcher, "resolve_backend", lambda backend, n: "nccl")
+    monkeypatch.setattr(labkit.runtime.launcher, "resolve_backend", lambda backend, n: "nccl")
     with pytest.raises(ValueError, match="gloo only.*impl='torch'"):
         pl.run_pipeline("1f1b", 2, 4, backend="nccl")
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from labkit import memory as mem
-from labkit import planner
 from labkit.cli import main
-from labkit.mesh import ParallelDims
-from labkit.spec import ModelSpec, get_spec
+from labkit.theory import memory as mem
+from labkit.theory import planner
+from labkit.theory.mesh import ParallelDims
+from labkit.theory.spec import ModelSpec, get_spec
 
 # A model small enough to count by hand: 4 layers, h = 1024, 8 heads (no GQA), SwiGLU f = 4096, V = 32000.
 HAND = ModelSpec(n_layers=4, hidden_size=1024, n_heads=8, ffn_hidden_size=4096, vocab_size=32000, max_seq_len=1024,

@@ -5,7 +5,7 @@ import os
 import pandas as pd
 import pytest
 
-from labkit import records
+from labkit.runtime import records
 
 
 def test_save_load_roundtrip(tmp_path):

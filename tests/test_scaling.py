@@ -10,7 +10,7 @@ import pytest
 
 from labkit import scaling
 from labkit.models import flops_per_token
-from labkit.spec import get_spec
+from labkit.theory.spec import get_spec
 
 
 def _frame(mode, times, sizes=(1, 2, 4), work=8, threads=1, cores=2):

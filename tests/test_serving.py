@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import memory as mem
 from labkit import serving as sv
 from labkit.models import TOLERANCES, build_model
-from labkit.spec import get_spec
+from labkit.theory import memory as mem
+from labkit.theory.spec import get_spec
 
 TOL = TOLERANCES[torch.float32]
 
@@ -169,9 +169,9 @@ def test_deployments_that_do_not_fit_carry_no_timing():
 
 
 def test_check_chapter_refuses_before_launch(monkeypatch):
-    import labkit.launcher
+    import labkit.runtime.launcher
 
-    monkeypatch.setattr(labkit.launcher, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(labkit.runtime.launcher, "launch", lambda *a, **k: pytest.fail("launched"))
     assert sv.check_chapter(**CHAPTER)["model"] == "lab-tiny-llama"
     with pytest.raises(ValueError, match=r"big_model='llama-3.1-405b' fits on no deployment of 8 x h100-80gb .* "
                                          r"closest is tp=8 x 1 replica\(s\) at [\d.]+ GiB per GPU > 80.0 GiB, short "

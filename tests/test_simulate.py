@@ -1,4 +1,4 @@
-"""labkit.simulate: schedules as data, the discrete-event simulator, bubble formulas, layer balancing.
+"""labkit.theory.simulate: schedules as data, the discrete-event simulator, bubble formulas, layer balancing.
 
 No launches here; the torch comparison reads torch.distributed.pipelining's schedule IR in-process.
 """
@@ -10,12 +10,13 @@ import sys
 
 import pytest
 
-from labkit import simulate as sim
-from labkit.simulate import Action, OpCosts, Schedule
+from labkit.theory import simulate as sim
+from labkit.theory.simulate import Action, OpCosts, Schedule
 
 
 def test_import_does_not_import_torch():
-    code = "import sys, labkit.simulate as s; s.simulate(s.make_schedule('1f1b', 4, 8)); print('torch' in sys.modules)"
+    code = ("import sys, labkit.theory.simulate as s; s.simulate(s.make_schedule('1f1b', 4, 8)); "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -160,7 +161,7 @@ def test_bubble_table_rows():
 
 
 def test_sim_frame_has_timeline_columns():
-    from labkit.timeline import COLUMNS
+    from labkit.runtime.timeline import COLUMNS
 
     df = sim.simulate(sim.make_schedule("zb-h1", 2, 4), OpCosts(0.01, 0.01, 0.01)).to_frame(step=3)
     assert list(df.columns) == COLUMNS

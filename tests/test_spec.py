@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.spec import get_spec, presets
+from labkit.theory.spec import get_spec, presets
 
 REQUIRED = ("llama-3-8b", "llama-3-70b", "llama-3.1-405b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
             "mixtral-8x7b", "gpt-3-175b", "lab-tiny-llama", "lab-tiny-gpt", "lab-small-llama")

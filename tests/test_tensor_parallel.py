@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from labkit.parallel import tensor as tp
-from labkit.spec import get_spec
+from labkit.theory.spec import get_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,8 +224,8 @@ def test_sequence_parallel_activation_memory(checked):
     # Korthikanti et al. 2022, Table 2: with TP+SP every activation is stored 1/tp per rank
     assert a["TP+SP"] == pytest.approx(full / n, rel=0.1)
     assert a["TP+SP"] < a["TP+SP, no re-gather"] < a["TP"] < full
-    # per layer, labkit.memory's item-by-item prediction (exact at tp=2; at tp=4 one head per rank makes the
-    # wo input a view of the attention output, which labkit.memory counts as a copy: 2.5 % here)
+    # per layer, labkit.theory.memory's item-by-item prediction (exact at tp=2; at tp=4 one head per rank makes the
+    # wo input a view of the attention output, which labkit.theory.memory counts as a copy: 2.5 % here)
     # Every variant has a prediction, "TP+SP, no re-gather" included (it stores the gathered linear inputs).
     rows = tp.activation_vs_theory(checked["activations"], checked["spec"], checked["batch_size"], checked["seq_len"])
     assert {r["variant"] for r in rows} == {"tp=1 (unsharded)", "TP", "TP+SP", "TP+SP, no re-gather"}

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from labkit import timeline as tl
 from labkit.plots import timeline_figure
+from labkit.runtime import timeline as tl
 
 
 def _frame():

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from labkit import launch
+from labkit.experiments.common import GLOO, RING, SOCKET, assert_ranks_identical, assert_state_close, wire_table
 from labkit.models import TOLERANCES, build_model, train_reference
-from labkit.parallel import harness, zero
-from labkit.spec import get_spec
+from labkit.parallel import zero
+from labkit.theory.spec import get_spec
 
 MODEL = "lab-tiny-llama"
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
@@ -65,8 +66,8 @@ def _by_label(res):
 
 def check_run(per_rank: list[dict], ref: dict) -> None:
     label = per_rank[0]["label"]
-    harness.assert_ranks_identical([r["state"] for r in per_rank], f"{label} weights")
-    harness.assert_state_close(per_rank[0]["state"], ref["state_dict"], torch.float32, f"{label} weights")
+    assert_ranks_identical([r["state"] for r in per_rank], f"{label} weights")
+    assert_state_close(per_rank[0]["state"], ref["state_dict"], torch.float32, f"{label} weights")
     torch.testing.assert_close(per_rank[0]["losses"], ref["losses"], **TOLERANCES[torch.float32])
 
 
@@ -84,13 +85,13 @@ def test_zero1_wrong_sync_microbatch_is_caught(launched, reference):
     if n != 2:
         pytest.skip("run at 2 ranks only")
     per_rank = _by_label(res)["zero1-wrong-sync"]
-    harness.assert_ranks_identical([r["state"] for r in per_rank])
+    assert_ranks_identical([r["state"] for r in per_rank])
     with pytest.raises(AssertionError):
         check_run(per_rank, reference)
 
 
 def test_model_state_bytes_equal_calculator(launched):
-    """Measured (labkit.measure, live tensors) = predicted (labkit.memory, convention "torch-fp32":
+    """Measured (labkit.runtime.measure, live tensors) = predicted (labkit.theory.memory, convention "torch-fp32":
     Rajbhandari et al. 2020 Figure 1 with 4 + 4 + 8 bytes per parameter) for every stage, on every rank, to
     the byte. AdamW's 4-byte step counters are one per parameter tensor for DDP and FSDP2 (as the calculator
     assumes) but one per flat unit for the lab's ZeRO, so they are compared apart."""
@@ -142,10 +143,10 @@ def test_socket_bytes_follow_gloos_algorithms(launched):
     n, res = launched
     if socket_bytes_written() is None:
         pytest.skip("no /proc/self/io on this platform")
-    wire = harness.wire_table(res).set_index("label")
+    wire = wire_table(res).set_index("label")
     assert ((wire["measured / gloo model"] >= 1.0) & (wire["measured / gloo model"] < 1.1)).all(), wire
     z1 = wire.loc["zero1"]
-    assert z1[harness.GLOO] == pytest.approx(1.5 * z1[harness.RING]) and z1[harness.SOCKET] > 1.4 * z1[harness.RING]
+    assert z1[GLOO] == pytest.approx(1.5 * z1[RING]) and z1[SOCKET] > 1.4 * z1[RING]
 
 
 def test_fsdp2_wrong_device_is_a_clear_error(launched):
@@ -161,10 +162,10 @@ def test_fsdp2_wrong_device_is_a_clear_error(launched):
 # no launch
 # ------------------------------------------------------------------------------------------------------
 def test_measure_counts_flat_zero_buffers_once():
-    """labkit.measure on the flat ZeRO layout (no process group needed, rank 0 of n = 2): stage 1 shards are
+    """labkit.runtime.measure on the flat ZeRO layout (no process group needed, rank 0 of n = 2): stage 1 shards are
     views of the flat parameters and gradients (counted once); stage 3 parameters live in a freed storage
     between uses (counted 0), leaving the 1/n shard."""
-    from labkit.measure import model_state_bytes
+    from labkit.runtime.measure import model_state_bytes
 
     for stage in (1, 3):
         holder = torch.nn.Module()
@@ -206,8 +207,8 @@ def _flat_units(model, d, rank, stage):
 def test_layout_bytes_equal_the_live_layout_at_uneven_degrees(model_name):
     """Where d does not divide the sizes the paper's Ψ/d is not what ranks hold: the lab's ZeRO pads each unit
     to a multiple of d, FSDP2 cuts dim 0 as torch.chunk does. layout_bytes predicts both, rank by rank,
-    checked here against live tensors (labkit.measure on _Unit's flat buffers; torch.chunk for FSDP2)."""
-    from labkit.measure import model_state_bytes
+    checked here against live tensors (labkit.runtime.measure on _Unit's flat buffers; torch.chunk for FSDP2)."""
+    from labkit.runtime.measure import model_state_bytes
 
     d = 3
     for stage, variant in ((1, "zero1"), (2, "zero2"), (3, "zero3")):
@@ -281,8 +282,10 @@ def test_three_ranks_uneven_shards_and_the_users_batch():
     assert (table[zero.RING] - table[zero.PREDICTED]).abs().max() <= 1e-9 * table[zero.PREDICTED].max()
 
 
-MY_MODULES = ["labkit.parallel.data", "labkit.parallel.zero", "labkit.parallel.harness", "labkit.parallel.tensor",
-              "labkit.parallel.pipeline", "labkit.parallel.composed", "labkit.simulate"]
+MY_MODULES = ["labkit.parallel.data", "labkit.parallel.zero", "labkit.runtime.training", "labkit.experiments.common",
+              "labkit.chapters.common",
+              "labkit.parallel.tensor",
+              "labkit.parallel.pipeline", "labkit.parallel.composed", "labkit.theory.simulate"]
 
 
 @pytest.mark.parametrize("module", MY_MODULES)

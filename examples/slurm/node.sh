@@ -32,4 +32,4 @@ echo "node.sh: node ${NODE_RANK}/${NNODES} on $(hostname), ${NPROC_PER_NODE} ran
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --max-restarts 0 \
-    -m labkit.worker "$FUNCTION" --kwargs "$KWARGS" --out "$OUT"
+    -m labkit.runtime.worker "$FUNCTION" --kwargs "$KWARGS" --out "$OUT"

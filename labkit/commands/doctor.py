@@ -22,7 +22,7 @@ def run(args) -> int:
 
     from labkit.checks import positive_float, positive_int
     from labkit.experiments import probe_collectives
-    from labkit.launcher import launch, resolve_backend
+    from labkit.runtime.launcher import launch, resolve_backend
 
     ws = positive_int("--world-size", args.world_size)
     timeout = positive_float("--timeout", args.timeout)

@@ -12,7 +12,7 @@ Every option applies to some of three cases: training a preset (``--model``), tr
 (``--params``: model states only, no layers, so no activations) and inference (``--mode infer``). An option
 given where it cannot apply is refused (one line, exit 2) rather than silently ignored.
 
-Pure prediction (labkit.memory): no torch import, answers in milliseconds.
+Pure prediction (labkit.theory.memory): no torch import, answers in milliseconds.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _float_count(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from labkit import memory as m
+    from labkit.theory import memory as m
 
     what = p.add_mutually_exclusive_group()
     what.add_argument("--model", help="preset from data/models.yaml (e.g. llama-3-70b)")
@@ -143,7 +143,7 @@ def resolve(args) -> tuple[str, dict]:
     """The case (``train``, ``params`` or ``infer``) and every option's value, defaults filled in. Raises
     ValueError naming the first option given where it cannot apply, ``--sp`` without tensor parallelism, or
     no model at all."""
-    from labkit.spec import presets
+    from labkit.theory.spec import presets
 
     if args.model is None and args.params is None:
         raise ValueError("give --model NAME (a preset) or --params N (a bare parameter count); valid presets: "
@@ -168,7 +168,7 @@ def resolve(args) -> tuple[str, dict]:
 
 
 def run(args) -> int:
-    from labkit import memory as m
+    from labkit.theory import memory as m
 
     case, v = resolve(args)
     common = dict(model=args.model if args.model is not None else args.params, dp=args.dp, tp=args.tp, pp=args.pp,

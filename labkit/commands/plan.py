@@ -6,7 +6,7 @@ Examples (--all: every ranked and rejected mesh, in the table or with --json)::
     labkit plan --model llama-3-70b --gpus 1024 --gpu h100-80gb --seq 8192 --global-batch 1024 --top 3 --json
     labkit plan --model mixtral-8x7b --gpus 64 --seq 4096 --global-batch 256 --micro-batch 1,2 --zero 1
 
-Pure prediction (labkit.planner): no torch import. Bad input (an unknown model or GPU, a world that is not a
+Pure prediction (labkit.theory.planner): no torch import. Bad input (an unknown model or GPU, a world that is not a
 whole number of nodes, a model that fits on no mesh) is one line on stderr and exit status 2.
 """
 
@@ -26,8 +26,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from labkit import memory as m
-    from labkit import planner
+    from labkit.theory import memory as m
+    from labkit.theory import planner
 
     p.add_argument("--model", required=True, help="preset from data/models.yaml (e.g. llama-3-70b)")
     p.add_argument("--gpus", type=int, required=True, help="world size: GPUs in the cluster")
@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from labkit import planner
     from labkit.checks import positive_int
+    from labkit.theory import planner
 
     top = positive_int("--top", args.top)
     n_rejected = positive_int("--rejected", args.rejected, minimum=0)

@@ -1,4 +1,4 @@
-"""Composed (2-D) parallelism on a DeviceMesh built from :class:`labkit.mesh.ParallelDims`, with parity
+"""Composed (2-D) parallelism on a DeviceMesh built from :class:`labkit.theory.mesh.ParallelDims`, with parity
 against the single-process reference.
 
 Three compositions on a 2-D ``DeviceMesh``; two with torch's own ("production") APIs, one from the lab's
@@ -10,7 +10,7 @@ hand-written strategy modules:
   split by vocabulary rows, the output head by vocabulary columns with the logits gathered; norms
   replicated), then FSDP2 ``fully_shard`` of every block and of the root over the DP dimension — the "2-D"
   FSDP + TP of torchtitan (Liang et al. 2024, "TorchTitan", Sec. 3.1). The layout is the one
-  labkit.memory assumes, so the measured model-state bytes per rank are compared with its prediction.
+  labkit.theory.memory assumes, so the measured model-state bytes per rank are compared with its prediction.
 * ``dp_tp_hand`` — the same mesh with the lab's hand-written modules on the mesh's process groups:
   :func:`labkit.parallel.tensor.apply_tp` (Megatron TP: vocab-parallel embedding and cross-entropy, column /
   row-parallel linears, explicit ``f``/``g`` autograd functions) over the TP group, wrapped in
@@ -43,11 +43,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.checks import check_choice, check_divides, divisors, positive_float, positive_int
-from labkit.measure import model_state_bytes
-from labkit.mesh import MeshError, ParallelDims, Violation
 from labkit.models import SyntheticLM, Transformer, build_model, lm_loss, make_optimizer, train_reference
-from labkit.parallel.harness import local_batch, train_steps
-from labkit.spec import ModelSpec, get_spec
+from labkit.runtime.measure import model_state_bytes
+from labkit.runtime.training import local_batch, train_steps
+from labkit.theory.mesh import MeshError, ParallelDims, Violation
+from labkit.theory.spec import ModelSpec, get_spec
 
 KINDS = ("dp_tp", "dp_tp_hand", "pp_dp")
 #: ZeRO stage of each kind's data parallelism (FSDP2 = 3; DataParallelBucket = 0), for the memory prediction
@@ -109,8 +109,8 @@ def check_chapter(*, world_size: int, model: str, steps: int, seq_len: int, n_mi
     Raises ValueError naming the value and the fix: world_size odd or < 2 (the 2-D runs put 2 ranks on tp or pp),
     a model or planner GPU that is not a preset, sizes < 1, a mesh the model cannot take (:func:`check_runs`), a
     model this machine's memory cannot hold on world_size ranks, a world that is not a whole number of nodes."""
-    from labkit.parallel.harness import check_fits_in_memory, check_world_size
-    from labkit.planner import DEFAULT_INTER_LINK, Topology
+    from labkit.chapters.common import check_fits_in_memory, check_world_size
+    from labkit.theory.planner import DEFAULT_INTER_LINK, Topology
 
     world_size = check_world_size("09", world_size, why="the 2-D runs put 2 ranks on tp (or pp) and the rest on dp")
     if world_size % 2:
@@ -369,7 +369,7 @@ class ComposedResult:
     (torch.testing.assert_close passed). ``groups``: one row per run and mesh dimension and rank:
     torch's group, ParallelDims' group, ``same``. ``timing``: measured seconds per step (median over ranks
     and steps after the first) per run, and the single-process reference's. ``memory``: one row per run, rank
-    and model-state category: ``measured_bytes`` (labkit.measure.model_state_bytes after the last step),
+    and model-state category: ``measured_bytes`` (labkit.runtime.measure.model_state_bytes after the last step),
     ``predicted_bytes`` (:func:`predicted_model_states`), ``equal``. ``runs``: the raw per-rank dicts;
     ``wall_s`` the launch's measured wall time.
     """
@@ -397,10 +397,10 @@ def _merge(parts: list[dict | None]) -> dict:
 
 
 def predicted_model_states(spec: ModelSpec, dims: ParallelDims, stage: int, zero: int = 3) -> dict[str, int]:
-    """labkit.memory's prediction of this layout's model states on pipeline rank ``stage``: parameters,
+    """labkit.theory.memory's prediction of this layout's model states on pipeline rank ``stage``: parameters,
     gradients and AdamW state in fp32 (convention ``torch-fp32``), ZeRO stage ``zero`` over dp (FSDP2 = 3,
-    replicated DP = 0), TP-split as :func:`labkit.memory.param_tensors` says. Bytes per rank."""
-    from labkit import memory as mem
+    replicated DP = 0), TP-split as :func:`labkit.theory.memory.param_tensors` says. Bytes per rank."""
+    from labkit.theory import memory as mem
 
     est = mem.train_memory(spec, dims.parallel_config(zero=zero), mem.TrainConfig(convention="torch-fp32"),
                            headroom=0.0, workspace_bytes=0, stage=stage)
@@ -488,8 +488,8 @@ def run_composed(world_size: int = 4, runs=DEFAULT_RUNS, *, model: str | ModelSp
     """Launch :func:`composed_rank` on ``world_size`` ranks (every run's degrees must multiply to it) and compare
     with the single-process reference. Validates every run first (ValueError naming the fix, before any
     process starts). Returns a :class:`ComposedResult`. Raises ValueError for bad runs or sizes, before any
-    process starts; labkit.launcher.LaunchError when a rank fails or the launch times out."""
-    from labkit.launcher import launch
+    process starts; labkit.runtime.launcher.LaunchError when a rank fails or the launch times out."""
+    from labkit.runtime.launcher import launch
 
     spec = get_spec(model) if isinstance(model, str) else model
     check_runs(runs, positive_int("world_size", world_size), spec, global_batch_size=global_batch_size,

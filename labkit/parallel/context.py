@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks import check_choice, check_divides, positive_int
-from labkit.commlog import all_gather_tensor, reduce_scatter_tensor
+from labkit.runtime.commlog import all_gather_tensor, reduce_scatter_tensor
 
 METHODS = ("ring", "allgather", "ulysses")
 MASK_POLICIES = ("diagonal", "every_block")
@@ -84,8 +84,8 @@ def check_chapter(*, world_size: int, seq_len: int, n_heads: int, head_dim: int,
     Raises ValueError naming the value and the fix: world_size < 2 (context parallelism splits the sequence
     over ranks: one rank has nothing to exchange), 2·world_size not dividing seq_len (zigzag cuts the
     sequence into 2·cp chunks), world_size not dividing n_heads (Ulysses), sizes or repeats < 1, or a backend
-    the machine cannot run (:func:`labkit.launcher.resolve_backend`)."""
-    from labkit.launcher import resolve_backend
+    the machine cannot run (:func:`labkit.runtime.launcher.resolve_backend`)."""
+    from labkit.runtime.launcher import resolve_backend
 
     world_size = positive_int("world_size", world_size)
     if world_size < 2:
@@ -125,7 +125,7 @@ def model_cases(world_size: int, spec: str = "lab-tiny-llama") -> tuple[list[dic
     ``model_cases``): ring with zigzag, and Ulysses when ``world_size`` divides the model's heads (and its
     kv heads are repeated to them). Returns ``(cases, skipped)``, ``skipped`` saying why a case was left out.
     A case also needs the model's ``max_seq_len`` to hold 8·world_size tokens."""
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     m = get_spec(spec)
     cases, skipped = [], []
@@ -526,7 +526,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         causal: causal (decoder) masking by global position; False attends to every token.
         load_balance: shards are zigzag (chunks r and 2·cp−1−r of 2·cp); must match how q/k/v were sharded.
         group: the CP process group (default: the whole world); every rank of it must call.
-        timeline: a :class:`~labkit.timeline.Timeline` (``ctx.timeline``) to record compute/comm events
+        timeline: a :class:`~labkit.runtime.timeline.Timeline` (``ctx.timeline``) to record compute/comm events
             (``stage`` = ring step for ring attention).
 
     Returns: [B, heads, seq_len/cp, head_dim]. Differentiable in q, k, v.
@@ -932,7 +932,7 @@ def cp_parity_rank(ctx, cases: list[dict] | None = None, *, batch: int = 2, n_he
 
 def _model_parity(ctx, spec_name, method, load_balance, seed, tol) -> dict:
     from labkit.models import SyntheticLM, build_model, lm_loss
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     spec = get_spec(spec_name)
     cp, r = ctx.world_size, ctx.rank
@@ -965,7 +965,7 @@ def _model_parity(ctx, spec_name, method, load_balance, seed, tol) -> dict:
 
 def _profile_once(q, k, v, dout, method, causal, lb, group, timeline=None, log=None) -> int:
     """One forward + backward of CP attention; returns the bytes saved for backward."""
-    from labkit.measure import SavedActivations
+    from labkit.runtime.measure import SavedActivations
 
     ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
     with log.tagged("forward") if log else contextlib.nullcontext():
@@ -988,9 +988,9 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
     afterwards), so a thread's CPU time is all of its compute and ranks do not compete with their own threads.
 
     Per config and rank, measured: ``saved_bytes`` (storages autograd saves for the attention's backward,
-    bytes, :class:`labkit.measure.SavedActivations`),
+    bytes, :class:`labkit.runtime.measure.SavedActivations`),
     ``score_entries`` (attention scores the forward kernel computed, :func:`count_work`: a count),
-    ``fwd_bytes`` / ``bwd_bytes`` (bytes this rank sends, from :class:`labkit.commlog.CommLog`),
+    ``fwd_bytes`` / ``bwd_bytes`` (bytes this rank sends, from :class:`labkit.runtime.commlog.CommLog`),
     ``kernel_cpu_ns`` (per repeat: CPU time inside the forward and backward block kernels,
     :func:`count_work`; None on a GPU, where kernels run asynchronously), ``compute_ns`` (per repeat: the
     rank's attention compute events, wall ns), ``cpu_ns`` (per repeat: CPU time of the rank's thread over
@@ -1002,8 +1002,8 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
     Raises ValueError (before any collective) for a cp that does not divide world_size or a configuration
     :func:`check_context_parallel` rejects.
     """
-    from labkit import timeline as tl
-    from labkit.commlog import CommLog
+    from labkit.runtime import timeline as tl
+    from labkit.runtime.commlog import CommLog
 
     for cfg in configs:  # every rank validates every config before the first collective
         c = cfg.get("cp", ctx.world_size)

@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.chapters.common import check_fits_in_memory, check_world_size
 from labkit.checks import check_divides, positive_int
+from labkit.experiments.common import run_experiments
 from labkit.models import make_optimizer
-from labkit.parallel import harness
+from labkit.runtime.training import train_steps
 
 VARIANTS = ("naive", "bucket", "ddp")
 #: DDP's default bucket size (``bucket_cap_mb=25``), in bytes
@@ -187,7 +189,8 @@ class DataParallelBucket(nn.Module):
                 off += n
             b.buffer.div_(self.n)
         work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
-        b.work = harness.track_async(self.ctx, work, "all_reduce", b.numel * b.buffer.element_size())
+        nbytes = b.numel * b.buffer.element_size()
+        b.work = work if self.ctx is None else self.ctx.track_async(work, "all_reduce", nbytes)
 
     def finish_grad_sync(self) -> None:
         """Launch any bucket whose gradients never all arrived (unused parameters count as zero), wait for
@@ -232,12 +235,13 @@ class _HookState:
 
 def logged_allreduce_hook(state: _HookState, bucket):  # no return annotation: DDP checks it literally
     """DDP comm hook equivalent to DDP's default (divide by n, then all-reduce the bucket), issued as
-    ``dist.all_reduce`` so a :class:`~labkit.commlog.CommLog` counts it, and recorded on the timeline from
+    ``dist.all_reduce`` so a :class:`~labkit.runtime.commlog.CommLog` counts it, and recorded on the timeline from
     issue to completion (``register_comm_hook``, torch.distributed.algorithms.ddp_comm_hooks)."""
     buf = bucket.buffer()
     buf.div_(state.n)
     work = dist.all_reduce(buf, group=state.group, async_op=True)
-    harness.track_async(state.ctx, work, "all_reduce", buf.numel() * buf.element_size())
+    if state.ctx is not None:
+        state.ctx.track_async(work, "all_reduce", buf.numel() * buf.element_size())
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
@@ -271,7 +275,7 @@ def module_device(module: nn.Module) -> torch.device:
 
 
 # ------------------------------------------------------------------------------------------------------
-# builders for harness.run_experiments, and the rank function notebooks launch
+# builders for run_experiments, and the rank function notebooks launch
 # ------------------------------------------------------------------------------------------------------
 def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None,
           bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, log_comm: bool = True):
@@ -289,7 +293,7 @@ def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None,
     return wrapped, make_optimizer(module.parameters(), lr)
 
 
-#: variant -> builder ``fn(module, ctx, **options) -> (wrapped, optimizer)`` for harness.run_experiments
+#: variant -> builder ``fn(module, ctx, **options) -> (wrapped, optimizer)`` for run_experiments
 WRAPPERS = {v: functools.partial(build, v) for v in VARIANTS}
 
 
@@ -301,7 +305,7 @@ def run_rank(ctx, runs: list[dict] | None = None, **kwargs) -> list[dict]:
     Example: ``launch(labkit.parallel.data.run_rank, 2, runs=[{"variant": "bucket"}], steps=3)``.
     """
     runs = [{"variant": v} for v in VARIANTS] if runs is None else runs
-    return harness.run_experiments(ctx, WRAPPERS, runs, **kwargs)
+    return run_experiments(ctx, WRAPPERS, runs, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -387,7 +391,7 @@ def scaling_rank(ctx, local_batch_sizes=(1, 2, 4, 8), *, model: str = "lab-tiny-
     import statistics
 
     from labkit.models import SyntheticLM, build_model
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     spec = get_spec(model)
     data_ = SyntheticLM(spec.vocab_size, seq_len)
@@ -396,11 +400,11 @@ def scaling_rank(ctx, local_batch_sizes=(1, 2, 4, 8), *, model: str = "lab-tiny-
     for b in local_batch_sizes:
         b = positive_int("local_batch_size", b)
         plain = build_model(spec, seed, device=ctx.device)
-        r_local = harness.train_steps(ctx, plain, make_optimizer(plain.parameters()), data_, steps=steps,
+        r_local = train_steps(ctx, plain, make_optimizer(plain.parameters()), data_, steps=steps,
                                       warmup_steps=1, global_batch_size=b, dp_rank=0, dp=1, record=False)
         wrapped, opt = build(variant, build_model(spec, seed, device=ctx.device), ctx,
                              bucket_cap_bytes=bucket_cap_bytes, log_comm=False)
-        r_dp = harness.train_steps(ctx, wrapped, opt, data_, steps=steps, warmup_steps=1, global_batch_size=b * n,
+        r_dp = train_steps(ctx, wrapped, opt, data_, steps=steps, warmup_steps=1, global_batch_size=b * n,
                                    record=False)
         if hasattr(wrapped, "close"):
             wrapped.close()
@@ -476,9 +480,9 @@ def check_chapter(*, world_size, model: str = "lab-tiny-llama", global_batch_siz
     positive ``bucket_cap_bytes`` and ``scaling_steps``; one or more positive local batch sizes. Returns the
     checked values (``local_batch_size`` added). Raises ValueError naming the value and the fix.
     """
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
-    n = harness.check_world_size("03", world_size, why="with one rank there is no gradient to average, and the "
+    n = check_world_size("03", world_size, why="with one rank there is no gradient to average, and the "
                                  "wrong-sync run cannot leave ranks disagreeing")
     spec = get_spec(model)
     steps = positive_int("steps", steps)
@@ -487,17 +491,14 @@ def check_chapter(*, world_size, model: str = "lab-tiny-llama", global_batch_siz
         raise ValueError(f"n_microbatches={m}: chapter 03's accumulation runs need n_microbatches >= 2 (the bug it "
                          "reproduces syncs on micro-batch 0 instead of the last); use n_microbatches=2")
     local = check_batch(n, global_batch_size, m, dp_name="world_size")
-    seq_len = positive_int("seq_len", seq_len)
-    if seq_len > spec.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds model {spec.name!r}'s max_seq_len={spec.max_seq_len}; "
-                         f"use seq_len <= {spec.max_seq_len}")
+    seq_len = spec.check_seq_len(seq_len)
     positive_int("bucket_cap_bytes", bucket_cap_bytes)
     sizes = tuple(positive_int(f"scaling_batch_sizes[{i}]", b) for i, b in enumerate(scaling_batch_sizes or ()))
     if not sizes:
         raise ValueError(f"scaling_batch_sizes={scaling_batch_sizes!r} is empty: give at least one local batch "
                          "size, e.g. (1, 2, 4, 8)")
     positive_int("scaling_steps", scaling_steps)
-    harness.check_fits_in_memory(spec, n, copies=2, what="chapter 03")
+    check_fits_in_memory(spec, n, copies=2, what="chapter 03")
     return {"world_size": n, "model": spec.name, "global_batch_size": global_batch_size, "n_microbatches": m,
             "local_batch_size": local, "steps": steps, "seq_len": seq_len, "scaling_batch_sizes": sizes}
 
@@ -508,8 +509,8 @@ def chapter_rank(ctx, runs: list[dict] | None = None, *, scaling_batch_sizes=(1,
     with ``runs`` and ``kwargs``), the hand-checkable accumulation demo (:func:`accumulation_demo_rank`) and
     the local-batch sweep (:func:`scaling_rank`, with the training runs' ``model``, ``seq_len`` and ``seed``;
     skipped when ``scaling_batch_sizes`` is empty).
-    Returns {"runs": [...], "demo": {...}, "scaling": [...]}; :func:`harness.summarize` and
-    :func:`harness.exposure_table` accept the LaunchResult directly."""
+    Returns {"runs": [...], "demo": {...}, "scaling": [...]}; :func:`summarize` and
+    :func:`exposure_table` accept the LaunchResult directly."""
     out = {"runs": run_rank(ctx, runs, **kwargs), "demo": accumulation_demo_rank(ctx)}
     same = {k: kwargs[k] for k in ("model", "seq_len", "seed") if k in kwargs}  # the training runs' own values
     out["scaling"] = (scaling_rank(ctx, scaling_batch_sizes, steps=scaling_steps, **same)

@@ -58,10 +58,10 @@ def check_expert_parallel(n_experts: int, *, ep: int = 1, top_k: int = 1, capaci
 
 
 def moe_spec(spec_name: str):
-    """The :class:`~labkit.spec.ModelSpec` preset ``spec_name``, which must be a mixture of experts.
+    """The :class:`~labkit.theory.spec.ModelSpec` preset ``spec_name``, which must be a mixture of experts.
 
     Raises ValueError for an unknown preset or a dense one (the message lists the MoE presets)."""
-    from labkit.spec import get_spec, presets
+    from labkit.theory.spec import get_spec, presets
 
     spec = get_spec(spec_name)
     if not spec.is_moe:
@@ -80,9 +80,9 @@ def check_chapter(*, world_size: int, tokens_per_rank: int, hidden_size: int, ff
     tokens between), ep = world_size not dividing n_experts, top_k outside 1..n_experts, a capacity factor
     that is not > 0, ``capacity_factors`` empty or not increasing (the sweep's check reads the dropped
     fraction falling along it), non-positive sizes or repeats, a ``spec`` that is not an MoE preset, or a
-    backend the machine cannot run (:func:`labkit.launcher.resolve_backend`).
+    backend the machine cannot run (:func:`labkit.runtime.launcher.resolve_backend`).
     """
-    from labkit.launcher import resolve_backend
+    from labkit.runtime.launcher import resolve_backend
 
     world_size = positive_int("world_size", world_size)
     if world_size < 2:
@@ -306,7 +306,7 @@ class MoE(nn.Module):
 
     @classmethod
     def from_spec(cls, spec, **kwargs) -> MoE:
-        """The MoE layer of a :class:`~labkit.spec.ModelSpec` with ``n_experts > 0``."""
+        """The MoE layer of a :class:`~labkit.theory.spec.ModelSpec` with ``n_experts > 0``."""
         return cls(spec.hidden_size, spec.expert_ffn_hidden_size, spec.n_experts, spec.top_k, mlp=spec.mlp,
                    bias=spec.bias, **kwargs)
 
@@ -584,13 +584,13 @@ def ep_profile_rank(ctx, *, tokens_per_rank: int = 256, hidden_size: int = 64, f
     * ``sweep``: for each of ``capacity_factors``, the global dropped fraction (forward only);
     * ``stats`` / ``global``: routing statistics at ``capacity_factor`` (tokens per expert, dropped, overflow,
       routing entropy, aux loss);
-    * ``comm``: bytes per all-to-all call of one forward + backward (:class:`labkit.commlog.CommLog`: S and
+    * ``comm``: bytes per all-to-all call of one forward + backward (:class:`labkit.runtime.commlog.CommLog`: S and
       the (n−1)/n ring share) beside the bytes that really left the rank (rows for other ranks × H × e);
     * ``iter_ns`` per timed repeat, with ``route`` / ``a2a counts`` / ``dispatch`` / ``experts`` /
       ``combine`` events in ``ctx.timeline`` (``step`` = repeat).
     """
-    from labkit import timeline as tl
-    from labkit.commlog import CommLog
+    from labkit.runtime import timeline as tl
+    from labkit.runtime.commlog import CommLog
 
     check_expert_parallel(n_experts, ep=ctx.world_size, top_k=top_k, capacity_factor=capacity_factor)
     full = _full_moe(seed, hidden_size, ffn_hidden_size, n_experts, top_k, "position").to(ctx.device)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism on real ranks: the schedules of :mod:`labkit.simulate`, executed action by action,
+"""Pipeline parallelism on real ranks: the schedules of :mod:`labkit.theory.simulate`, executed action by action,
 every action recorded in the rank's timeline.
 
 Two implementations side by side, run by one rank function (:func:`pipeline_rank`):
@@ -16,7 +16,7 @@ Two implementations side by side, run by one rank function (:func:`pipeline_rank
   stage modules, its ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` timed
   into the timeline (so its action order is observed, not assumed).
 
-Timeline events (labkit.timeline columns): ``F``/``B``/``W`` (kind compute), ``recv`` (kind comm: the wait
+Timeline events (labkit.runtime.timeline columns): ``F``/``B``/``W`` (kind compute), ``recv`` (kind comm: the wait
 on an irecv handle — mostly waiting for the producing stage), ``send`` (kind comm: posting an isend),
 ``idle`` (kind idle: gaps between events inside a step), ``optim`` and ``tied_grad`` (after the flush).
 Tags: step (timed steps from 0; warm-up steps are dropped), microbatch, stage (global stage index).
@@ -49,10 +49,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit import simulate as sim
-from labkit import timeline as tl
 from labkit.checks import check_choice, check_divides, positive_float, positive_int
-from labkit.simulate import Action, OpCosts, Schedule
+from labkit.runtime import timeline as tl
+from labkit.theory import simulate as sim
+from labkit.theory.simulate import Action, OpCosts, Schedule
 
 COMPUTE_MODES = ("fixed", "real")
 IMPLS = ("labkit", "torch")
@@ -120,12 +120,12 @@ def check_job(job: dict, pp: int) -> dict:
     if job["compute"] == "fixed":
         costs = job.get("costs") or DEFAULT_FIXED_COSTS
         if not isinstance(costs, OpCosts):
-            raise ValueError(f"costs={costs!r} must be a labkit.simulate.OpCosts (seconds per op)")
+            raise ValueError(f"costs={costs!r} must be a labkit.theory.simulate.OpCosts (seconds per op)")
         costs.resolve(p * v)  # raises for bad values / wrong per-stage length
         job["costs"] = costs
         job["fixed_nbytes"] = positive_int("fixed_nbytes", job.get("fixed_nbytes", 4096), minimum=4)
         return job
-    from labkit.spec import ModelSpec, get_spec
+    from labkit.theory.spec import ModelSpec, get_spec
 
     spec = job.get("spec") or "lab-tiny-llama"
     spec = get_spec(spec) if isinstance(spec, str) else spec
@@ -171,7 +171,7 @@ def _microbatch_problem(p: int, m: int, gbs: int) -> str | None:
 
 def chapter_microbatches(pp: int, global_batch_size: int) -> list[int]:
     """The n_microbatches chapter 06 accepts for ``global_batch_size`` on ``pp`` ranks: divisors of the batch
-    that every schedule runs with (>= :func:`labkit.simulate.min_microbatches`, a multiple of pp for the
+    that every schedule runs with (>= :func:`labkit.theory.simulate.min_microbatches`, a multiple of pp for the
     interleaved schedule). Empty when none. Raises ValueError for pp < 2 or a non-positive batch."""
     pp = positive_int("pp", pp, minimum=2)
     gbs = positive_int("global_batch_size", global_batch_size)
@@ -194,10 +194,10 @@ def check_chapter(*, world_size, n_microbatches=None, op_ms=20.0, sweep=(1, 2, 4
     Returns ``{"pp", "n_microbatches", "global_batch_size", "sweep_microbatches", "costs" (OpCosts, s),
     "spec" (the real-compute ModelSpec)}``.
     """
-    from labkit.parallel import harness
-    from labkit.spec import get_spec
+    from labkit.chapters.common import check_fits_in_memory, check_world_size
+    from labkit.theory.spec import get_spec
 
-    p = harness.check_world_size("06", world_size, why="a pipeline needs at least two stages, one per rank")
+    p = check_world_size("06", world_size, why="a pipeline needs at least two stages, one per rank")
     m = positive_int("n_microbatches", n_microbatches) if n_microbatches is not None else 2 * p
     gbs = positive_int("global_batch_size", global_batch_size) if global_batch_size is not None else 2 * m
     problem = _microbatch_problem(p, m, gbs)
@@ -231,7 +231,7 @@ def check_chapter(*, world_size, n_microbatches=None, op_ms=20.0, sweep=(1, 2, 4
     jobs += [dict(real, schedule=s, impl="torch") for s in ("gpipe", "1f1b", "interleaved")]
     for job in jobs:
         check_job(job, p)
-    harness.check_fits_in_memory(spec, p, copies=2, what="chapter 06")
+    check_fits_in_memory(spec, p, copies=2, what="chapter 06")
     return {"pp": p, "n_microbatches": m, "global_batch_size": gbs, "sweep_microbatches": ms, "costs": costs,
             "spec": spec}
 
@@ -248,7 +248,8 @@ def torch_pipeline_order(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[A
     per rank = ZB-H1, which torch calls ZB1P) ``_calculate_single_rank_operations``. These are private
     torch APIs: returns None when the installed torch lacks them. Note (torch 2.13): Schedule1F1B's IR
     numbers the last rank's forwards from 1 instead of 0 (an IR-only off-by-one; its runtime order is
-    right, which the torch-native runs observe). Raises ValueError as :func:`labkit.simulate.check_schedule_args`.
+    right, which the torch-native runs observe).
+    Raises ValueError as :func:`labkit.theory.simulate.check_schedule_args`.
     """
     sim.check_schedule_args(name, p, m, v)
     try:
@@ -859,14 +860,14 @@ class PipelineRun:
     """One configuration's measured run, with the predictions beside it.
 
     Attributes:
-        job: the validated configuration; schedule: the :class:`~labkit.simulate.Schedule` run.
+        job: the validated configuration; schedule: the :class:`~labkit.theory.simulate.Schedule` run.
         timeline: every rank's events (measured); steps: :func:`bubble_from_timeline` per timed step
             plus ``step_s`` (slowest rank's wall time of the step, measured).
         predicted: the simulator fed the configured costs (fixed) or the measured median op costs (real),
             no p2p latency.
         predicted_measured: the simulator fed the measured median op costs per stage and the measured hop
             latency (:func:`hop_latency_from_timeline`): what the runtime's overheads add.
-        formula: the textbook bubble (fraction of total time) from :func:`labkit.simulate.bubble_formula`.
+        formula: the textbook bubble (fraction of total time) from :func:`labkit.theory.simulate.bubble_formula`.
         peak_inflight / peak_saved_bytes: per rank (measured); losses: per step (real compute);
         grads: parameter name -> gradient of the last step (when asked); order: per rank, actions executed.
     """
@@ -931,10 +932,10 @@ def run_pipelines(jobs: Sequence[dict], pp: int, *, timeout_s: float = 120.0, ba
     ``compute``, ``impl``, ``costs``, ``spec``, ``global_batch_size``, ``seq_len``, ``layers_per_stage``,
     ``steps``, ``warmup_steps``, ``lr``, ``seed``, ``data_seed``, ``fixed_nbytes``, ``return_grads``,
     ``label``). Every job is checked before the launch (ValueError naming the fix); ``timeout_s`` bounds the
-    whole launch (a hang ends in :class:`labkit.launcher.LaunchTimeout` with every rank's stack).
+    whole launch (a hang ends in :class:`labkit.runtime.launcher.LaunchTimeout` with every rank's stack).
     ``backend`` defaults to gloo: the hand-written runner is gloo-only (NCCL: ``impl="torch"`` jobs only).
     """
-    from labkit.launcher import launch, resolve_backend
+    from labkit.runtime.launcher import launch, resolve_backend
 
     pp = positive_int("pp", pp)
     if not jobs:
@@ -968,7 +969,7 @@ def run_pipeline(schedule: str = "1f1b", pp: int = 2, n_microbatches: int | None
 
     Raises:
         ValueError: any bad argument, before launching (see :func:`check_job`), or ``impl="labkit"`` on NCCL.
-        labkit.launcher.RankFailed / LaunchTimeout: a rank failed or the run hung past ``timeout_s``.
+        labkit.runtime.launcher.RankFailed / LaunchTimeout: a rank failed or the run hung past ``timeout_s``.
     """
     job = {"schedule": schedule, **options}
     if n_microbatches is not None:
@@ -1019,13 +1020,13 @@ def measure_layer_costs(spec, micro_batch_size: int = 2, seq_len: int = 32, *, r
     """Measured forward + backward seconds of each layer for one micro-batch, in this process (the minimum
     of ``repeats`` after one warm-up call: other processes on the cores only ever add time), with the
     embedding's time added to the first layer and the final norm + output head (and loss) added to the
-    last: the per-layer costs :func:`labkit.simulate.balance_layers` splits.
+    last: the per-layer costs :func:`labkit.theory.simulate.balance_layers` splits.
 
     Runs on ``threads`` torch threads (default 1, what a rank gets when ranks share the cores; restored
     afterwards). ``spec``: a ModelSpec or preset name. Raises ValueError for bad sizes.
     """
     from labkit.models import build_model
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     spec = get_spec(spec) if isinstance(spec, str) else spec
     micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
@@ -1076,7 +1077,7 @@ def _layer_costs(model, spec, micro_batch_size: int, seq_len: int, repeats: int)
 # ------------------------------------------------------------------------------------------------------
 def gantt(result, step: int = 0, title: str | None = None):
     """Per-rank Gantt of one step: a :class:`PipelineRun` (measured; its title names the compute mode) or a
-    :class:`labkit.simulate.SimResult` (predicted). Bars are coloured by op and labelled by micro-batch."""
+    :class:`labkit.theory.simulate.SimResult` (predicted). Bars are coloured by op and labelled by micro-batch."""
     from labkit.plots import timeline_figure
 
     if isinstance(result, sim.SimResult):

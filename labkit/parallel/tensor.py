@@ -51,8 +51,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.chapters.common import check_fits_in_memory, check_world_size
 from labkit.checks import check_choice, check_divides, positive_float, positive_int
-from labkit.commlog import CommLog, all_gather_tensor, bus_factor, reduce_scatter_tensor
 from labkit.models import (
     TOLERANCES,
     Attention,
@@ -65,8 +65,8 @@ from labkit.models import (
     lm_loss,
     make_optimizer,
 )
-from labkit.parallel import harness
-from labkit.spec import ModelSpec, get_spec
+from labkit.runtime.commlog import CommLog, all_gather_tensor, bus_factor, reduce_scatter_tensor
+from labkit.theory.spec import ModelSpec, get_spec
 
 SEQ_DIM = 1  # the lab's activations are [batch, seq, hidden]: sequence parallelism splits dim 1
 INPUT_MODES = ("copy", "sp", "none")
@@ -655,7 +655,7 @@ def _unchecked_vocab_parallel_ce(logits: torch.Tensor, targets: torch.Tensor, gr
 def kv_plan(n_heads: int, n_kv_heads: int, tp: int) -> str:
     """``"split"`` when tp divides n_kv_heads, ``"replicate"`` when n_kv_heads < tp and divides it (each kv
     head is kept by the tp/n_kv_heads ranks whose query heads use it). Raises ValueError otherwise."""
-    from labkit.memory import kv_heads_per_rank
+    from labkit.theory.memory import kv_heads_per_rank
 
     kv_heads_per_rank(n_heads, n_kv_heads, tp)  # the one rule (memory, mesh, this module); raises ValueError
     return "split" if n_kv_heads % tp == 0 else "replicate"
@@ -834,7 +834,7 @@ class TPTransformer(nn.Module):
     vocab-parallel cross-entropy. With sequence parallelism the residual stream between blocks is
     [B, T/tp, H].
 
-    ``commlog``: set to a :class:`~labkit.commlog.CommLog` to tag every collective with its place and phase
+    ``commlog``: set to a :class:`~labkit.runtime.commlog.CommLog` to tag every collective with its place and phase
     (``embed/fwd``, ``layer3/fwd``, ``layer3/bwd``, ``head/bwd``...). Backward tags are set by gradient hooks
     on the block outputs, so the collectives of layer i's backward carry ``layer{i}/bwd``.
     """
@@ -924,8 +924,7 @@ class TPTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] int64 -> this rank's logits [B, T, padded_vocab/tp]. Raises ValueError when T exceeds
         max_seq_len or, with sequence parallelism, tp does not divide T."""
-        if tokens.shape[1] > self.spec.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.spec.max_seq_len}")
+        self.spec.check_seq_len(tokens.shape[1], "sequence length")
         if self.sequence_parallel:
             check_divides("tp", self.tp, "seq_len", tokens.shape[1], hint="sequence parallelism splits the sequence")
         self.end_tags()
@@ -1524,7 +1523,7 @@ def count_mlp_pair_collectives(ctx, kind: str, tokens: int, hidden_size: int, ff
 
 def activation_bytes(ctx, spec: ModelSpec, batch_size: int, seq_len: int, seed: int = 0, group=None) -> list[dict]:
     """Bytes autograd saves for the backward during one forward + loss, per rank, measured with
-    :class:`labkit.measure.SavedActivations` (saved-tensor hooks, each storage once, parameters excluded): the
+    :class:`labkit.runtime.measure.SavedActivations` (saved-tensor hooks, each storage once, parameters excluded): the
     unsharded model (tp=1), TP, TP+SP with the re-gather, TP+SP storing the gathered linear inputs.
     Rows: ``variant``, ``tp``, ``bytes`` (total), ``per_layer`` (bytes first saved inside each layer),
     ``outside_layers`` (embedding, final norm, head, loss).
@@ -1534,7 +1533,7 @@ def activation_bytes(ctx, spec: ModelSpec, batch_size: int, seq_len: int, seed: 
     5as/ht) with TP+SP: everything 1/t, so TP+SP ~= (tp=1 bytes) / tp."""
     n = tp_size(group)
     tokens, targets = (t.to(ctx.device) for t in SyntheticLM(spec.vocab_size, seq_len, seed).batch(0, batch_size))
-    from labkit.measure import SavedActivations
+    from labkit.runtime.measure import SavedActivations
 
     def row(variant, tp_degree, acts):
         return {"variant": variant, "tp": tp_degree, "bytes": acts.total_bytes, "per_layer": acts.per_layer,
@@ -1556,7 +1555,7 @@ def activation_bytes(ctx, spec: ModelSpec, batch_size: int, seq_len: int, seed: 
 
 
 def activation_vs_theory(rows: list[dict], spec: ModelSpec | str, batch_size: int, seq_len: int) -> list[dict]:
-    """Measured saved-activation bytes (:func:`activation_bytes` rows) beside labkit.memory's prediction for
+    """Measured saved-activation bytes (:func:`activation_bytes` rows) beside labkit.theory.memory's prediction for
     the lab model (``activation_model="lab"``, fp32, CPU kernels; ``ParallelConfig(tp, sequence_parallel)``):
     per layer and in total (layers + embedding/head/loss items). The prediction assumes SP stores the
     linear-layer inputs as sequence shards (the re-gather); without it each column region (attention's
@@ -1565,7 +1564,7 @@ def activation_vs_theory(rows: list[dict], spec: ModelSpec | str, batch_size: in
     B·T·H·bytes·(1 - 1/tp) per region (Korthikanti et al. 2022, Section 4.2.2: storing the shard is what the
     extra all-gather buys). Adds ``per_layer_measured``, ``per_layer_predicted``, ``total_predicted``,
     ``ratio_to_tp1_measured``. Raises ValueError for an unknown model or bad sizes."""
-    from labkit import memory as mem
+    from labkit.theory import memory as mem
 
     if isinstance(spec, str):
         spec = get_spec(spec)
@@ -1623,7 +1622,7 @@ def step_bytes_table(check: dict) -> list[dict]:
     issued)`` (CommLog), ``ring bytes (model: S x factor)``, ``ring bytes (predicted: comm_theory_model)``,
     ``gloo model`` (S x the factors of gloo's CPU algorithms: :data:`labkit.parallel.harness.GLOO_FACTORS`),
     ``socket bytes written (measured: gloo)`` (NaN where not measurable) and ``measured / gloo model``."""
-    from labkit.parallel.harness import GLOO_FACTORS
+    from labkit.experiments.common import GLOO_FACTORS
 
     spec = get_spec(check["spec"])
     rows = []
@@ -1877,7 +1876,7 @@ def check_chapter(*, world_size, model: str = "lab-tiny-llama", gelu_model: str 
     Returns ``{"world_size", "dtensor_parity": SP flags to check (for ``tp_check_rank(dtensor=...)``),
     "time_variants": (...), "skipped": {variant: reason}}``.
     """
-    n = harness.check_world_size("05", world_size, why="tensor parallelism splits each layer over world_size "
+    n = check_world_size("05", world_size, why="tensor parallelism splits each layer over world_size "
                                  "ranks, and tp=1 splits nothing")
     spec, gspec = get_spec(model), get_spec(gelu_model)
     for s in (spec, gspec):
@@ -1893,18 +1892,15 @@ def check_chapter(*, world_size, model: str = "lab-tiny-llama", gelu_model: str 
     positive_int("time_steps", time_steps)
     positive_float("timeout_s", timeout_s)
     for name, t in (("seq_len", seq_len), ("time_seq_len", time_seq_len)):
-        t = positive_int(name, t)
         for s in (spec, gspec):
-            if t > s.max_seq_len:
-                raise ValueError(f"{name}={t} exceeds model {s.name!r}'s max_seq_len={s.max_seq_len}; "
-                                 f"use {name} <= {s.max_seq_len}")
+            s.check_seq_len(t, name)
     try:
         for s in (spec, gspec):
             check_tp(s, n, pad_vocab=True, sequence_parallel=True, seq_len=seq_len)
         check_tp(spec, n, pad_vocab=True, sequence_parallel=True, seq_len=time_seq_len)
     except ValueError as e:
         raise ValueError(f"world_size={n} is the tp degree in chapter 05: {e}") from None
-    harness.check_fits_in_memory(spec, n, copies=4, what="chapter 05")
+    check_fits_in_memory(spec, n, copies=4, what="chapter 05")
     skipped: dict[str, str] = {}
     parity = []
     for sp in (False, True):

@@ -23,9 +23,9 @@ so its arithmetic per element is the same as the single-process reference.
 DeviceMesh and builds the optimizer after sharding, after checking that the parameters are on the device
 the process group's backend serves (:func:`check_fsdp_devices`).
 
-Model-state bytes per rank are predicted by the lab's calculator (``labkit.memory``, convention
+Model-state bytes per rank are predicted by the lab's calculator (``labkit.theory.memory``, convention
 "torch-fp32": fp32 parameters and gradients, AdamW's two fp32 moments and a float32 step counter per
-optimizer tensor) and measured by ``labkit.measure`` (:func:`predicted_table`, :func:`memory_rank`).
+optimizer tensor) and measured by ``labkit.runtime.measure`` (:func:`predicted_table`, :func:`memory_rank`).
 Communication per step: :func:`predicted_comm_bytes`.
 """
 
@@ -39,11 +39,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.chapters.common import check_fits_in_memory, check_world_size
 from labkit.checks import check_choice, positive_int
-from labkit.commlog import all_gather_tensor, reduce_scatter_tensor
+from labkit.experiments.common import _runs, optimizer_step_bytes, run_experiments
 from labkit.models import make_optimizer
 from labkit.parallel import data as dp_data
-from labkit.parallel import harness
+from labkit.runtime.commlog import all_gather_tensor, reduce_scatter_tensor
+from labkit.runtime.training import track_async, train_steps
 
 STAGES = (0, 1, 2, 3)
 VARIANTS = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
@@ -166,7 +168,7 @@ class _Unit:
         out = torch.empty(self.k, dtype=full.dtype, device=full.device)
         work = reduce_scatter_tensor(out, full, group=self.group, async_op=async_op)
         if async_op:
-            work = harness.track_async(ctx, work, "reduce_scatter", full.numel() * full.element_size())
+            work = track_async(ctx, work, "reduce_scatter", full.numel() * full.element_size())
         self.pending.append((work, out, full))
         if self.stage >= 2:
             for p in self.params:
@@ -254,7 +256,7 @@ class ZeroDataParallel(nn.Module):
                 self._layer_units.append((unit_modules[i], u))
         for u in self.units:
             u.group = group
-        # registered, so ``self.parameters()`` (and labkit.measure) see what this rank keeps: the shards
+        # registered, so ``self.parameters()`` (and labkit.runtime.measure) see what this rank keeps: the shards
         self.shards = nn.ParameterList([u.shard for u in self.units])
         self._unit_of = {p: u for u in self.units for p in u.params}
         self.require_sync = True
@@ -438,7 +440,7 @@ def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None,
     return z, make_optimizer(z.optim_parameters(), lr)
 
 
-#: variant -> builder ``fn(module, ctx, **options) -> (wrapped, optimizer)`` for harness.run_experiments
+#: variant -> builder ``fn(module, ctx, **options) -> (wrapped, optimizer)`` for run_experiments
 WRAPPERS = {v: functools.partial(build, v) for v in VARIANTS}
 
 
@@ -446,7 +448,7 @@ def run_rank(ctx, runs: list[dict] | None = None, **kwargs) -> list[dict]:
     """Rank function: :func:`labkit.parallel.harness.run_experiments` over :data:`VARIANTS` (default: one
     run of each). Keyword arguments are run_experiments' (model, steps, global_batch_size, seq_len, ...)."""
     runs = [{"variant": v} for v in VARIANTS] if runs is None else runs
-    return harness.run_experiments(ctx, WRAPPERS, runs, **kwargs)
+    return run_experiments(ctx, WRAPPERS, runs, **kwargs)
 
 
 #: the ZeRO stage each variant implements (FSDP2 = full sharding = stage 3)
@@ -460,7 +462,7 @@ def memory_rank(ctx, degrees=None, variants=VARIANTS, *, model: str = "lab-tiny-
     For each d in ``degrees`` (default: every divisor of the world size) the world is cut into blocks of d
     consecutive ranks; each block trains its own replica group (``dist.new_group``; FSDP2: the ``shard``
     dimension of a (world/d, d) DeviceMesh). After one optimizer step (AdamW creates its state lazily),
-    ``labkit.measure.model_state_bytes`` reads the live tensors. Returns one dict per (d, variant) with
+    ``labkit.runtime.measure.model_state_bytes`` reads the live tensors. Returns one dict per (d, variant) with
     ``degree``, ``variant``, ``stage``, and measured ``parameters``, ``gradients``, ``optimizer`` (bytes,
     this rank; ``optimizer`` includes AdamW's step counters, also given alone as ``optimizer_steps``: one per
     parameter tensor for DDP and FSDP2, one per unit for the lab's flat ZeRO). Raises ValueError if a degree
@@ -469,9 +471,9 @@ def memory_rank(ctx, degrees=None, variants=VARIANTS, *, model: str = "lab-tiny-
     from torch.distributed.device_mesh import init_device_mesh
 
     from labkit.checks import check_divides, divisors
-    from labkit.measure import model_state_bytes
     from labkit.models import SyntheticLM, build_model
-    from labkit.spec import get_spec
+    from labkit.runtime.measure import model_state_bytes
+    from labkit.theory.spec import get_spec
 
     n = ctx.world_size
     degrees = divisors(n) if degrees is None else list(degrees)
@@ -493,10 +495,10 @@ def memory_rank(ctx, degrees=None, variants=VARIANTS, *, model: str = "lab-tiny-
             if v == "ddp":
                 opts["log_comm"] = False
             wrapped, opt = build(v, module, ctx, **opts)
-            harness.train_steps(ctx, wrapped, opt, data, steps=1, global_batch_size=global_batch_size,
+            train_steps(ctx, wrapped, opt, data, steps=1, global_batch_size=global_batch_size,
                                 dp_rank=dist.get_rank(group), dp=d, dp_group=group, record=False)
             rows.append({"degree": d, "variant": v, "stage": STAGE_OF[v], **model_state_bytes(wrapped, opt),
-                         "optimizer_steps": harness.optimizer_step_bytes(opt)})
+                         "optimizer_steps": optimizer_step_bytes(opt)})
             if hasattr(wrapped, "close"):
                 wrapped.close()
     return rows
@@ -510,18 +512,15 @@ def check_chapter(*, world_size, model: str = "lab-tiny-llama", global_batch_siz
     (then so does every degree the memory sweep uses, each a divisor of world_size); ``seq_len`` within the
     model's ``max_seq_len``. Returns the checked values. Raises ValueError naming the value and the fix.
     """
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
-    n = harness.check_world_size("04", world_size, why="with one rank nothing is sharded, so every stage holds "
+    n = check_world_size("04", world_size, why="with one rank nothing is sharded, so every stage holds "
                                  "the same bytes and sends none")
     spec = get_spec(model)
     steps = positive_int("steps", steps)
     local = dp_data.check_batch(n, global_batch_size, dp_name="world_size")
-    seq_len = positive_int("seq_len", seq_len)
-    if seq_len > spec.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds model {spec.name!r}'s max_seq_len={spec.max_seq_len}; "
-                         f"use seq_len <= {spec.max_seq_len}")
-    harness.check_fits_in_memory(spec, n, copies=2, what="chapter 04")
+    seq_len = spec.check_seq_len(seq_len)
+    check_fits_in_memory(spec, n, copies=2, what="chapter 04")
     return {"world_size": n, "model": spec.name, "global_batch_size": global_batch_size, "local_batch_size": local,
             "steps": steps, "seq_len": seq_len}
 
@@ -544,7 +543,7 @@ def root_params(spec) -> int:
 
 def predicted_table(model: str, degrees, variants=VARIANTS, *, rank: int = 0) -> pd.DataFrame:
     """Predicted model-state bytes per rank for each (degree, variant), from the lab's calculator:
-    ``labkit.memory.train_memory`` with ``ParallelConfig(dp=degree, zero=stage)`` and convention "torch-fp32"
+    ``labkit.theory.memory.train_memory`` with ``ParallelConfig(dp=degree, zero=stage)`` and convention "torch-fp32"
     (Rajbhandari et al. 2020, Figure 1, with 4 + 4 + 8 bytes per parameter and AdamW's 4-byte step counter
     per parameter tensor). Columns ``degree``, ``variant``, ``stage``, ``parameters``, ``gradients``,
     ``optimizer``, ``optimizer_steps`` (the step counters inside ``optimizer``), ``model_states``; and the
@@ -552,8 +551,8 @@ def predicted_table(model: str, degrees, variants=VARIANTS, *, rank: int = 0) ->
     :func:`layout_bytes`, prefixed ``layout_`` (equal to the calculator's when d divides every size; else
     they differ by the padding / uneven rows, and ZeRO's step counters are one per unit).
     Raises ValueError for an unknown model or variant."""
-    from labkit import memory
-    from labkit.spec import get_spec
+    from labkit.theory import memory
+    from labkit.theory.spec import get_spec
 
     spec = get_spec(model)
     train = memory.TrainConfig(convention="torch-fp32", seq_len=min(32, spec.max_seq_len))
@@ -572,9 +571,9 @@ def predicted_table(model: str, degrees, variants=VARIANTS, *, rank: int = 0) ->
 
 
 def _units(spec) -> list[list]:
-    """The parameter tensors (labkit.memory.param_tensors) grouped as :class:`ZeroDataParallel` groups them:
+    """The parameter tensors (labkit.theory.memory.param_tensors) grouped as :class:`ZeroDataParallel` groups them:
     the root unit (everything outside the layers) first, then one unit per layer."""
-    from labkit import memory
+    from labkit.theory import memory
 
     tensors = memory.param_tensors(spec)
     root = [t for t in tensors if t.layer is None]
@@ -604,7 +603,7 @@ def layout_bytes(spec, degree: int, variant: str, rank: int = 0, bytes_per_eleme
     :func:`predicted_table`. Returns {"parameters", "gradients", "optimizer", "optimizer_steps"}.
     Raises ValueError for an unknown variant, degree < 1 or rank outside 0..degree-1.
     """
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     spec = get_spec(spec) if isinstance(spec, str) else spec
     check_choice("variant", variant, VARIANTS)
@@ -636,7 +635,7 @@ def padded_params(spec, degree: int, variant: str) -> tuple[int, int]:
     multiple of d (the lab's ZeRO), each parameter's dim 0 padded to a multiple of d (FSDP2: every rank
     all-gathers ceil(dim0/d) rows), unpadded for DDP. Equal to (``spec.n_params()``, :func:`root_params`)
     when d divides every size. Raises ValueError for an unknown variant."""
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     spec = get_spec(spec) if isinstance(spec, str) else spec
     check_choice("variant", variant, VARIANTS)
@@ -666,10 +665,10 @@ def comm_table(results, model: str) -> pd.DataFrame:
     the variant pads them: :func:`padded_params`). :data:`RING` equals :data:`PREDICTED` exactly when the code
     issued the predicted collectives; the bytes gloo actually wrote are per run, in
     :func:`labkit.parallel.harness.summarize`."""
-    from labkit.spec import get_spec
+    from labkit.theory.spec import get_spec
 
     spec = get_spec(model)
-    runs = harness._runs(results)
+    runs = _runs(results)
     n = len(runs)
     rows = []
     for r in runs[0]:

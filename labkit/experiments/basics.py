@@ -1,4 +1,4 @@
-"""Small rank functions used by chapter 00, ``labkit doctor`` and the foundation tests.
+"""Small rank functions used by chapter 00, ``labkit doctor``, the foundation tests and torchrun examples.
 
 Each is called by :func:`labkit.launch` as ``fn(ctx, ...)`` and returns plain data.
 """
@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.commlog import all_gather_tensor, reduce_scatter_tensor
+from labkit.runtime.commlog import all_gather_tensor, reduce_scatter_tensor
 
 
 def hello(ctx) -> dict:
@@ -110,43 +110,3 @@ def straggler_all_reduce(ctx, work_ms: float = 40.0, steps: int = 3) -> dict:
         with ctx.timer("all_reduce", "comm", step=step, nbytes=t.numel() * t.element_size()):
             dist.all_reduce(t)
     return {"rank": ctx.rank, "reps": reps, "compute_ns": compute_ns}
-
-
-def straggler_table(timeline) -> pd.DataFrame:  # noqa: F821 - pandas imported inside
-    """Predicted vs measured collective wait from a :func:`straggler_all_reduce` timeline.
-
-    Per (step, rank), times in ms from the step's earliest compute start: ``compute_end_ms`` (measured),
-    ``arrival_ms`` (measured: when the rank entered all_reduce), ``predicted_wait_ms`` = last arrival of the
-    step - this rank's arrival (a collective cannot finish before the last rank has entered it; the
-    communication itself taken as free), ``measured_ms`` (the all_reduce event's duration) and
-    ``gap_ms`` = measured - predicted (the collective's own cost plus scheduling noise; >= 0 up to timer
-    jitter for any correct collective).
-    """
-    import pandas as pd
-
-    df = timeline
-    work = df[df["name"] == "work"].set_index(["step", "rank"])
-    comm = df[df["name"] == "all_reduce"].set_index(["step", "rank"])
-    out = pd.DataFrame(index=work.index)
-    origin = work.groupby("step")["start_ns"].transform("min")
-    out["compute_end_ms"] = (work["end_ns"] - origin) / 1e6
-    out["arrival_ms"] = (comm["start_ns"] - origin) / 1e6
-    last = comm.groupby("step")["start_ns"].transform("max")
-    out["predicted_wait_ms"] = (last - comm["start_ns"]) / 1e6
-    out["measured_ms"] = (comm["end_ns"] - comm["start_ns"]) / 1e6
-    out["gap_ms"] = out["measured_ms"] - out["predicted_wait_ms"]
-    return out.reset_index().sort_values(["step", "rank"]).reset_index(drop=True)
-
-
-def check_getting_started(world_size: int, work_ms: float, steps: int, timeout_s: float) -> None:
-    """Validate chapter 00's parameters before any launch. Raises ValueError naming the value and the fix:
-    world_size >= 2 (section 4 makes rank 1 fail, and a collective needs a peer), work_ms > 0 (the
-    straggler experiment needs unequal work), steps >= 1, timeout_s > 0."""
-    from labkit.checks import positive_float, positive_int
-
-    if positive_int("world_size", world_size) < 2:
-        raise ValueError(f"world_size={world_size}: chapter 00 needs world_size >= 2 (a collective needs a peer, "
-                         "and section 4 makes rank 1 fail)")
-    positive_float("work_ms", work_ms)
-    positive_int("steps", steps)
-    positive_float("timeout_s", timeout_s)

@@ -1,0 +1,52 @@
+"""What several chapters share: the checks a chapter runs on its parameters before anything launches, and
+the exercise self-check.
+"""
+
+from __future__ import annotations
+
+from labkit.checks import positive_int
+from labkit.runtime.probes import available_memory_bytes
+
+
+def check_world_size(chapter: str, world_size, *, minimum: int = 2, why: str = "") -> int:
+    """Return ``world_size`` as int; ValueError "chapter NN needs world_size >= minimum ..." (with ``why``)
+    when it is smaller or not a positive integer."""
+    n = positive_int("world_size", world_size)
+    if n < minimum:
+        raise ValueError(f"chapter {chapter} needs world_size >= {minimum}, got world_size={n}"
+                         + (f": {why}" if why else "") + f"; use world_size={minimum} or more")
+    return n
+
+
+def check_fits_in_memory(spec, world_size: int, *, copies: int = 2, what: str = "this run") -> None:
+    """Raise ValueError (before any launch) when ``world_size`` ranks, each holding ``copies`` full fp32 copies
+    of ``spec``'s model states (4 + 4 + 8 bytes per parameter: weights, gradients, AdamW moments), would need
+    more than half of this machine's available memory (MemAvailable, /proc/meminfo; no check where it cannot
+    be read). The message names the model, the bytes (GB = 1e9) and the lab's CPU-sized presets."""
+    from labkit.theory.spec import get_spec
+
+    spec = get_spec(spec) if isinstance(spec, str) else spec
+    need = 16 * spec.n_params() * positive_int("copies", copies) * positive_int("world_size", world_size)
+    avail = available_memory_bytes()
+    if avail is not None and need > avail / 2:
+        raise ValueError(f"model={spec.name!r} ({spec.n_params():.3g} parameters) needs about {need / 1e9:.1f} GB "
+                         f"for {what} on {world_size} ranks (16 bytes per parameter x {copies} copies per rank), "
+                         f"more than half of the {avail / 1e9:.1f} GB available; choose a CPU-sized preset: "
+                         "lab-tiny-llama, lab-tiny-gpt, lab-small-llama")
+
+
+def check_exercise(answer, reference: float, *, hint: str, wrong: str, rel_tol: float = 1e-6,
+                   abs_tol: float = 0.0) -> None:
+    """A chapter exercise's self-check, printed. ``answer`` None: prints "not attempted yet" and ``hint`` —
+    never the reference (CI runs the chapters unattended, and a reader should not see the answer before
+    trying). Otherwise checks that ``answer`` is within ``rel_tol`` (relative) or ``abs_tol`` (absolute) of
+    ``reference`` and prints "correct". Raises AssertionError with ``wrong`` (a hint, not the answer) when it
+    is not."""
+    import math
+
+    if answer is None:
+        print(f"not attempted yet — hint: {hint}")
+        return
+    ok = math.isclose(float(answer), float(reference), rel_tol=rel_tol, abs_tol=abs_tol)
+    assert ok, f"{answer!r} is not right: {wrong}"
+    print("correct")

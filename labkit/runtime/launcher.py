@@ -1,0 +1,515 @@
+"""launch(): the only way the lab starts ranks.
+
+``launch(fn, world_size, *args, **kwargs)`` starts ``world_size`` fresh Python interpreters (the spawn start
+method), creates the process group in each, calls ``fn(ctx, *args, **kwargs)`` with a
+:class:`~labkit.runtime.rank.RankContext`, destroys the group, and returns what every rank returned, in rank order.
+The calling process (a notebook kernel, say) never holds a process group, so a launch cell can be re-run.
+
+Failure handling (each case is in tests/test_launch.py):
+
+* a rank raises -> every rank is ended at once and :class:`RankFailed` names the rank with its traceback;
+* a rank exits or is killed by a signal -> :class:`RankFailed` with the exit code or signal name;
+* nothing finishes within ``timeout_s`` -> :class:`LaunchTimeout` with each live rank's Python stack;
+* Ctrl-C / kernel interrupt in the caller -> every rank is killed and KeyboardInterrupt propagates;
+* the caller itself dies -> the ranks die with it (Linux ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import json
+import linecache
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import pandas as pd
+
+from labkit.checks import positive_float, positive_int
+from labkit.runtime import timeline as tl
+
+DEFAULT_TIMEOUT_S = 180.0
+_POLL_S = 0.01
+_GRACE_S = 0.3  # after the first failure, wait this long for the other ranks' error reports
+_STACK_WAIT_S = 1.0
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+class LaunchError(RuntimeError):
+    """A launch that did not complete. ``rank`` is the rank blamed (None when none can be)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, world_size: int | None = None,
+                 exitcode: int | None = None, signal_name: str | None = None, traceback_text: str = "",
+                 stacks: dict | None = None, elapsed_s: float | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.world_size = world_size
+        self.exitcode = exitcode
+        self.signal_name = signal_name
+        self.traceback_text = traceback_text
+        self.stacks = stacks or {}
+        self.elapsed_s = elapsed_s
+
+
+class RankFailed(LaunchError):
+    """A rank raised, exited early or was killed; ``rank`` says which, ``traceback_text`` what happened."""
+
+
+class LaunchTimeout(LaunchError):
+    """No result within ``timeout_s``; ``stacks`` maps rank -> the Python stack it was stuck in."""
+
+
+class ShipError(ValueError):
+    """The function, an argument or a keyword argument cannot be pickled to send to the ranks."""
+
+
+class LaunchResult(list):
+    """What ``launch`` returns: a list with one entry per rank (rank order), plus
+
+    * ``timeline`` — every rank's timeline events in one DataFrame (see :mod:`labkit.runtime.timeline`);
+    * ``world_size``, ``backend``, ``wall_s`` (seconds from first spawn to last result, measured).
+    """
+
+    def __init__(self, results, timeline: pd.DataFrame, world_size: int, backend: str, wall_s: float):
+        super().__init__(results)
+        self.timeline = timeline
+        self.world_size = world_size
+        self.backend = backend
+        self.wall_s = wall_s
+
+    def __repr__(self) -> str:
+        return (f"LaunchResult(world_size={self.world_size}, backend={self.backend!r}, "
+                f"wall_s={self.wall_s:.2f}, results={list.__repr__(self)})")
+
+
+# ------------------------------------------------------------------------------------------------------
+# backend and device choice
+# ------------------------------------------------------------------------------------------------------
+def cuda_device_count() -> int:
+    """GPUs visible to this process (0 without a CUDA build). Does not initialise CUDA."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """``auto`` -> ``nccl`` when there is a GPU per rank, else ``gloo``. Raises ValueError for an unknown
+    backend or ``nccl`` without enough GPUs."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not valid; choose one of: auto, gloo, nccl")
+    gpus = cuda_device_count()
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) "
+                         "visible; use backend='gloo' or a smaller world_size")
+    return backend
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# ------------------------------------------------------------------------------------------------------
+# shipping the function by value
+# ------------------------------------------------------------------------------------------------------
+def _pickle_error(obj) -> Exception | None:
+    try:
+        cloudpickle.dumps(obj)
+        return None
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def _find_unpicklable(obj, path: str, depth: int = 0, seen=None) -> tuple[str, object, Exception] | None:
+    """Walk into containers, closures and referenced globals to name the innermost unpicklable piece."""
+    err = _pickle_error(obj)
+    if err is None:
+        return None
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 4:
+        return path, obj, err
+    seen.add(id(obj))
+    children: list[tuple[str, object]] = []
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif inspect.isfunction(obj):
+        try:
+            cv = inspect.getclosurevars(obj)
+            children = [(f"{path} captures {k!r}", v) for k, v in cv.nonlocals.items()]
+            children += [(f"{path} uses global {k!r}", v) for k, v in cv.globals.items()]
+        except (TypeError, ValueError):
+            children = []
+        children += [(f"{path} default {i}", v) for i, v in enumerate(obj.__defaults__ or ())]
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    for child_path, child in children:
+        found = _find_unpicklable(child, child_path, depth + 1, seen)
+        if found is not None:
+            return found
+    return path, obj, err
+
+
+def ship(fn, args: tuple, kwargs: dict) -> bytes:
+    """Pickle ``(fn, args, kwargs)`` by value with cloudpickle (a function defined in a notebook cell or
+    ``__main__`` travels by value; one from an importable module by reference).
+
+    Raises :class:`ShipError` naming the first piece that cannot be pickled, e.g.
+    ``fn uses global 'lock' (a _thread.lock) cannot be pickled``.
+    """
+    payload = {"fn": fn, "args": tuple(args), "kwargs": dict(kwargs)}
+    if _pickle_error(payload) is None:
+        return cloudpickle.dumps(payload)
+    found = (_find_unpicklable(fn, "fn") or _find_unpicklable(tuple(args), "args")
+             or _find_unpicklable(dict(kwargs), "kwargs"))
+    if found is None:  # the parts pickle one by one but not together: report the whole
+        found = ("(fn, args, kwargs)", payload, _pickle_error(payload))
+    path, obj, err = found
+    raise ShipError(
+        f"cannot ship to the ranks: {path} (a {type(obj).__module__}.{type(obj).__qualname__}) cannot be "
+        f"pickled ({type(err).__name__}: {err}). Create it inside the rank function, or pass plain data."
+    )
+
+
+# ------------------------------------------------------------------------------------------------------
+# launch
+# ------------------------------------------------------------------------------------------------------
+class _Rank:
+    """One child process and the threads that forward its output."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen, echo: bool):
+        self.rank = rank
+        self.proc = proc
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.threads = [
+            threading.Thread(target=self._pump, args=(proc.stdout, sys.stdout, None, echo), daemon=True),
+            threading.Thread(target=self._pump, args=(proc.stderr, sys.stderr, self.stderr_tail, echo),
+                             daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _pump(self, pipe, sink, tail, echo):
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            if tail is not None:
+                tail.append(line)
+            if echo:
+                try:
+                    # read sys.stdout/err at call time: Jupyter swaps them per cell
+                    (sys.stdout if sink is sys.stdout else sys.stderr).write(f"[rank {self.rank}] {line}")
+                except Exception:  # noqa: BLE001 - a closed sink must not kill the pump
+                    pass
+        pipe.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                try:
+                    self.proc.kill()
+                except ProcessLookupError:
+                    pass
+
+    def join(self) -> None:
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for t in self.threads:
+            t.join(timeout=2)
+
+
+def _describe_exit(code: int) -> tuple[str, str | None]:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}", name
+    return f"exited with code {code} without raising a Python exception", None
+
+
+def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+           start_method: str = "spawn", threads_per_rank: int | None = None, echo: bool = True,
+           **kwargs) -> LaunchResult:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
+
+    Args:
+        fn: a function (from a module, a notebook cell or ``__main__``; shipped by value with cloudpickle),
+            or a ``"module:function"`` string.
+        world_size: number of ranks (>= 1). On CPU more ranks than cores is allowed (they share the cores).
+        backend: ``"auto"`` (NCCL with one GPU per rank when enough GPUs are visible, else gloo on CPU),
+            ``"gloo"`` or ``"nccl"``.
+        timeout_s: wall-clock limit for the whole launch (spawn to results), seconds; also each
+            collective's timeout inside the ranks.
+        start_method: only ``"spawn"`` (fresh interpreters); anything else raises ValueError explaining why.
+        threads_per_rank: torch intra-op threads per rank; default ``max(1, cores // world_size)``.
+        echo: forward each rank's stdout/stderr here, prefixed ``[rank r]``.
+        **kwargs: passed to ``fn``. The names above are reserved by ``launch``.
+
+    Returns:
+        :class:`LaunchResult`: a list of per-rank return values in rank order, with ``.timeline`` (a
+        DataFrame of all ranks' events), ``.backend``, ``.world_size`` and ``.wall_s``.
+
+    Raises:
+        ValueError: bad ``world_size``, ``backend``, ``timeout_s`` or ``start_method``.
+        ShipError (a ValueError): ``fn`` or an argument cannot be pickled; raised before any process starts.
+        RankFailed: a rank raised, exited or was killed (``.rank``, ``.traceback_text``, ``.signal_name``).
+        LaunchTimeout: the run exceeded ``timeout_s`` (``.stacks``: rank -> Python stack).
+        KeyboardInterrupt: re-raised after every rank has been killed.
+    """
+    world_size = positive_int("world_size", world_size)
+    timeout_s = positive_float("timeout_s", timeout_s)
+    if start_method != "spawn":
+        why = ("CUDA is already initialised in this process, and a forked child cannot re-initialise it "
+               "('Cannot re-initialize CUDA in forked subprocess'); " if _cuda_initialised() else
+               "a forked rank would inherit this process's state (CUDA context, threads, a notebook "
+               "kernel's sockets), and forking after CUDA is initialised fails; ")
+        raise ValueError(f"start_method={start_method!r} is not supported: {why}labkit always starts ranks "
+                         "as fresh interpreters (start_method='spawn')")
+    backend = resolve_backend(backend, world_size)
+    if threads_per_rank is None:
+        from labkit.runtime.rank import cpu_threads_per_rank
+
+        threads_per_rank = cpu_threads_per_rank(world_size) if backend == "gloo" else 1
+    threads_per_rank = positive_int("threads_per_rank", threads_per_rank)
+    if isinstance(fn, str):
+        from labkit.runtime.worker import resolve_function
+
+        fn = resolve_function(fn)
+    if not callable(fn):
+        raise ValueError(f"fn={fn!r} is not callable; pass a function or 'module:function'")
+    payload = ship(fn, args, kwargs)
+
+    run_dir = Path(tempfile.mkdtemp(prefix="labkit-launch-"))
+    ranks: list[_Rank] = []
+    start = time.monotonic()
+    try:
+        (run_dir / "payload.pkl").write_bytes(payload)
+        spec = {"world_size": world_size, "backend": backend, "timeout_s": timeout_s,
+                "threads": threads_per_rank, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p]}
+        (run_dir / "spec.json").write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
+        pkg_parent = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONUNBUFFERED"] = "1"
+        env["OMP_NUM_THREADS"] = str(threads_per_rank)
+        for rank in range(world_size):
+            argv = [sys.executable, "-m", "labkit.runtime.worker", "--spawned", str(run_dir), str(rank)]
+            proc = subprocess.Popen(argv,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=env, start_new_session=True)
+            ranks.append(_Rank(rank, proc, echo))
+        try:
+            _wait(ranks, run_dir, world_size, timeout_s, start)
+        except LaunchError as e:
+            _restore_source_lines(e, fn)
+            raise
+        outputs = [cloudpickle.loads((run_dir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
+        wall_s = time.monotonic() - start
+        frames = []
+        for r, out in enumerate(outputs):
+            t = tl.Timeline(r, out.get("offset_ns", 0))
+            t.events = out["events"]
+            frames.append(t.to_frame())
+        return LaunchResult([o["result"] for o in outputs], tl.concat(frames), world_size, backend, wall_s)
+    finally:
+        for r in ranks:
+            r.kill()
+        for r in ranks:
+            r.join()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _read_error(run_dir: Path, rank: int) -> dict | None:
+    path = run_dir / f"error_{rank}.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait(ranks: list[_Rank], run_dir: Path, world_size: int, timeout_s: float, start: float) -> None:
+    deadline = start + timeout_s
+    first_failure_at = None
+    while True:
+        codes = [r.proc.poll() for r in ranks]
+        failed = [r for r, c in zip(ranks, codes) if c not in (None, 0)]
+        failed += [r for r, c in zip(ranks, codes) if c == 0 and not (run_dir / f"result_{r.rank}.pkl").exists()]
+        if failed:
+            now = time.monotonic()
+            if first_failure_at is None:
+                first_failure_at = now
+            if now - first_failure_at >= _GRACE_S or all(c is not None for c in codes):
+                _raise_failure(ranks, run_dir, world_size, codes, now - start)
+        elif all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            _raise_timeout(ranks, run_dir, world_size, timeout_s, time.monotonic() - start)
+        time.sleep(_POLL_S)
+
+
+def _raise_failure(ranks, run_dir, world_size, codes, elapsed) -> None:
+    """Blame one rank. ``codes`` are the exit codes seen before we killed anyone. Order: a Python
+    exception that is not a peer's broken connection (earliest first), then a rank that ended on its own
+    without an exception (signal, exit code, or exit 0 with no result), then communication errors."""
+    for r in ranks:
+        r.kill()
+    for r in ranks:
+        r.join()
+    candidates = []
+    for r, code in zip(ranks, codes):
+        err = _read_error(run_dir, r.rank)
+        if err is not None:
+            candidates.append((2 if err.get("comm") else 0, err["time_ns"], r.rank, code, err))
+        elif code is not None and (code != 0 or not (run_dir / f"result_{r.rank}.pkl").exists()):
+            candidates.append((1, 0, r.rank, code, None))
+    prio, _, rank, code, err = min(candidates, key=lambda c: (c[0], c[1], c[2]))
+    others = sorted({c[2] for c in candidates} - {rank})
+    also = f" (also failed afterwards: rank(s) {', '.join(map(str, others))})" if others else ""
+    if err is not None:
+        tb = err["traceback"]
+        msg = (f"rank {rank} of {world_size} raised {err['type']} in {err['where']}: {err['message']}{also}\n"
+               f"--- traceback of rank {rank} ---\n{tb}")
+        raise RankFailed(msg, rank=rank, world_size=world_size, exitcode=code, traceback_text=tb,
+                         elapsed_s=elapsed)
+    if code == 0:
+        what, sig = "exited with code 0 before returning a result", None
+    else:
+        what, sig = _describe_exit(code)
+    tail = "".join(ranks[rank].stderr_tail).strip()
+    msg = f"rank {rank} of {world_size} {what}{also}"
+    if tail:
+        msg += f"\n--- last stderr lines of rank {rank} ---\n{tail}"
+    raise RankFailed(msg, rank=rank, world_size=world_size, exitcode=code, signal_name=sig,
+                     traceback_text=tail, elapsed_s=elapsed)
+
+
+def _raise_timeout(ranks, run_dir, world_size, timeout_s, elapsed) -> None:
+    alive = [r for r in ranks if r.proc.poll() is None]
+    # snapshot what each rank had reached at the deadline: a slow start-up may finish during the stack wait below
+    done = [r.rank for r in ranks if (run_dir / f"result_{r.rank}.pkl").exists()]
+    not_started = [r.rank for r in alive if not (run_dir / f"started_{r.rank}").exists()]
+    for r in alive:
+        try:
+            os.kill(r.proc.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
+        except ProcessLookupError:
+            pass
+    time.sleep(_STACK_WAIT_S)
+    for r in ranks:
+        r.kill()
+    for r in ranks:
+        r.join()
+    stacks = {}
+    for r in alive:
+        p = run_dir / f"stack_{r.rank}.txt"
+        stacks[r.rank] = p.read_text().strip() if p.exists() else ""
+    head = (f"launch timed out after {timeout_s:g} s: rank(s) {', '.join(str(r.rank) for r in alive)} of "
+            f"{world_size} still running" + (f"; rank(s) {', '.join(map(str, done))} had finished" if done else ""))
+    if not_started:
+        why = (f" Rank(s) {', '.join(map(str, not_started))} had not reached the rank function yet (still "
+               f"starting: importing torch, rendezvous): timeout_s={timeout_s:g} is shorter than start-up "
+               "takes on this machine; give it more time.")
+    else:
+        why = (" Every rank was inside the rank function: a hang usually means ranks issued different "
+               "collectives (or one waits for a peer that never sends).")
+    parts = [head + "." + why]
+    for rank, st in stacks.items():
+        if st:
+            parts.append(f"--- stack of rank {rank} ---\n{st}")
+    raise LaunchTimeout("\n".join(parts), rank=alive[0].rank if alive else None, world_size=world_size,
+                        stacks=stacks, elapsed_s=elapsed)
+
+
+_DYNAMIC_FRAME = re.compile(r'File "<dynamic-code>", line (\d+)(,?) in (\S+)\n')  # traceback or faulthandler
+
+
+def _code_index(fn) -> list[tuple[str, int, int, str]]:
+    """(name, first line, last line, file) of every code object reachable from ``fn`` (its nested code,
+    and functions it references), so frames of by-value functions can be mapped back to their source."""
+    entries, seen, stack = [], set(), [fn]
+    while stack:
+        f = stack.pop()
+        if not inspect.isfunction(f) or id(f) in seen:
+            continue
+        seen.add(id(f))
+        codes = [f.__code__]
+        while codes:
+            c = codes.pop()
+            lines = [ln for _, _, ln in c.co_lines() if ln]
+            entries.append((c.co_name, min(lines, default=c.co_firstlineno), max(lines, default=0), c.co_filename))
+            codes += [k for k in c.co_consts if inspect.iscode(k)]
+        try:
+            cv = inspect.getclosurevars(f)
+            stack += [v for v in (*cv.nonlocals.values(), *cv.globals.values()) if inspect.isfunction(v)]
+        except (TypeError, ValueError):
+            pass
+    return entries
+
+
+def _restore_source_lines(err: LaunchError, fn) -> None:
+    """cloudpickle ships functions by value with the file name ``<dynamic-code>``, so a rank's traceback
+    (or a hung rank's stack) has no source file. Put the real file name (e.g. the notebook cell) and the
+    source line back, in the message, ``traceback_text`` and ``stacks``."""
+    texts = [err.traceback_text, str(err), *err.stacks.values()]
+    if not any("<dynamic-code>" in t for t in texts):
+        return
+    index = _code_index(fn)
+
+    def repl(m):
+        line, sep, name = int(m.group(1)), m.group(2), m.group(3)
+        for n, first, last, filename in index:
+            if n == name and first <= line <= last:
+                src = linecache.getline(filename, line).strip()
+                return f'File "{filename}", line {line}{sep} in {name}\n' + (f"    {src}\n" if src else "")
+        return m.group(0)
+
+    err.args = (_DYNAMIC_FRAME.sub(repl, str(err) + "\n").rstrip("\n"),)
+    err.traceback_text = _DYNAMIC_FRAME.sub(repl, err.traceback_text)
+    err.stacks = {r: _DYNAMIC_FRAME.sub(repl, st + "\n").rstrip("\n") for r, st in err.stacks.items()}
+
+
+def load_results(out_dir: str | Path) -> LaunchResult:
+    """Read what ``torchrun ... -m labkit.runtime.worker FN --out DIR`` wrote: a LaunchResult like ``launch``'s.
+
+    Raises ValueError when DIR holds no complete run (missing meta.json or a rank's file).
+    """
+    out = Path(out_dir)
+    meta_path = out / "meta.json"
+    if not meta_path.exists():
+        raise ValueError(f"{out} holds no torchrun results (no meta.json); did rank 0 finish?")
+    meta = json.loads(meta_path.read_text())
+    results, frames = [], []
+    for r in range(meta["world_size"]):
+        p = out / f"rank{r}.pkl"
+        if not p.exists():
+            raise ValueError(f"{out}: rank {r} of {meta['world_size']} wrote no result ({p.name} missing)")
+        o = cloudpickle.loads(p.read_bytes())
+        t = tl.Timeline(r, o.get("offset_ns", 0))
+        t.events = o["events"]
+        frames.append(t.to_frame())
+        results.append(o["result"])
+    return LaunchResult(results, tl.concat(frames), meta["world_size"], meta["backend"], float("nan"))
