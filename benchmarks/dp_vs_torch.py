@@ -2,7 +2,8 @@
 
 * bucketed, overlapped all-reduce (labkit.parallel.data.DataParallelBucket) vs DistributedDataParallel
   (its own C++ comm hook; same bucket size) — goal: ratio of tokens/s >= 0.95;
-* ZeRO-3 from scratch (labkit.parallel.zero.ZeroDataParallel(stage=3)) vs FSDP2 fully_shard — goal >= 0.90.
+* ZeRO-3 from scratch (labkit.parallel.zero.ZeroDataParallel(stage=3)) vs FSDP2 fully_shard
+  (labkit.parallel.zero.fsdp2) — goal >= 0.90.
 
 Tokens/s are measured (global tokens per second, median over rounds); a ratio is the median over rounds of
 the per-round ratio (the variants of one round ran back to back, under the same machine load), printed with
@@ -17,8 +18,9 @@ import statistics
 
 from labkit import launch
 from labkit.cli import run_main
+from labkit.experiments import data as dp_experiments
+from labkit.experiments import zero as zero_experiments
 from labkit.experiments.common import ratio_verdict, throughput_rank
-from labkit.parallel import data, zero
 
 GOALS = {("bucket", "ddp"): 0.95, ("zero3", "fsdp2"): 0.90}
 
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     runs = [{"variant": "bucket", "bucket_cap_bytes": cap},
             {"variant": "ddp", "bucket_cap_bytes": cap, "log_comm": False},  # DDP's own C++ all-reduce hook
             {"variant": "zero3"}, {"variant": "fsdp2"}]
-    wrappers = {**data.WRAPPERS, **zero.WRAPPERS}
+    wrappers = {**dp_experiments.WRAPPERS, **zero_experiments.WRAPPERS}
     res = launch(throughput_rank, args.world_size, wrappers, runs, model=args.model, steps=args.steps,
                  repeats=args.repeats, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
                  backend=args.backend, timeout_s=900)

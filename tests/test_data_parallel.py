@@ -1,5 +1,6 @@
-"""Replicated data parallelism (labkit.parallel.data) on gloo: parity with the single-process reference,
-replicas identical, communication bytes equal to theory, and the gradient-accumulation field case.
+"""Replicated data parallelism (labkit.parallel.data; runs in labkit.experiments.data) on gloo: parity with
+the single-process reference, replicas identical, communication bytes equal to theory, and the
+gradient-accumulation field case.
 
 Two launches (2 and 4 ranks); each checks several variants. Tolerance: labkit.models.TOLERANCES[fp32]
 (rtol 1e-4, atol 1e-5).
@@ -12,7 +13,9 @@ import torch
 
 import labkit.chapters.common as chapters_common
 from labkit import launch
+from labkit.chapters import ch03_data_parallel as ch
 from labkit.chapters.common import check_exercise, check_fits_in_memory
+from labkit.experiments import data as dpx
 from labkit.experiments.common import (
     PAYLOAD,
     RING,
@@ -25,8 +28,8 @@ from labkit.experiments.common import (
     wire_table,
 )
 from labkit.models import TOLERANCES, build_model, train_reference
-from labkit.parallel import data
 from labkit.runtime.training import _carve, local_batch, microbatches
+from labkit.theory.data import predicted_allreduce_bytes
 from labkit.theory.spec import get_spec
 
 MODEL = "lab-tiny-llama"
@@ -49,10 +52,10 @@ RUNS_4 = [RUNS_2[0], RUNS_2[1], RUNS_2[2], RUNS_2[5], RUNS_2[6]]
 
 def rank_fn(ctx, runs):
     """Test rank function: the training variants, then the hand-checkable accumulation demo."""
-    out = data.run_rank(ctx, runs, model=MODEL, steps=STEPS, global_batch_size=GLOBAL_BATCH, seq_len=SEQ)
+    out = dpx.run_rank(ctx, runs, model=MODEL, steps=STEPS, global_batch_size=GLOBAL_BATCH, seq_len=SEQ)
     demo = None
     if ctx.world_size == 2:
-        demo = {(v, s): data.accumulation_demo(ctx, v, s) for v in data.VARIANTS for s in (None, 0)}
+        demo = {(v, s): dpx.accumulation_demo(ctx, v, s) for v in dpx.VARIANTS for s in (None, 0)}
     return {"runs": out, "demo": demo}
 
 
@@ -112,7 +115,7 @@ def test_comm_bytes_equal_ring_allreduce_theory(launched):
     same bytes."""
     n, res = launched
     psi = get_spec(MODEL).n_params()
-    expected = data.predicted_allreduce_bytes(psi, n)
+    expected = predicted_allreduce_bytes(psi, n)
     for label, per_rank in _by_label(res).items():
         r0 = per_rank[0]
         assert set(r0["comm"]) == {"all_reduce"}, label
@@ -154,7 +157,7 @@ def test_accumulation_demo_reproduces_4_vs_7(launched):
     if n != 2:
         pytest.skip("the demo's numbers are for 2 ranks")
     d0, d1 = res[0]["demo"], res[1]["demo"]
-    for v in data.VARIANTS:
+    for v in dpx.VARIANTS:
         assert d0[(v, None)] == d1[(v, None)] == 5.5, v
         assert (d0[(v, 0)], d1[(v, 0)]) == (4.0, 7.0), v
 
@@ -176,11 +179,11 @@ def test_model_state_bytes_replicated(launched):
 # no launch
 # ------------------------------------------------------------------------------------------------------
 def test_predicted_allreduce_bytes():
-    assert data.predicted_allreduce_bytes(1000, 1) == 0
-    assert data.predicted_allreduce_bytes(1000, 2) == 4000
-    assert data.predicted_allreduce_bytes(1000, 4, bytes_per_element=2) == 3000
+    assert predicted_allreduce_bytes(1000, 1) == 0
+    assert predicted_allreduce_bytes(1000, 2) == 4000
+    assert predicted_allreduce_bytes(1000, 4, bytes_per_element=2) == 3000
     with pytest.raises(ValueError, match="world_size=0"):
-        data.predicted_allreduce_bytes(1000, 0)
+        predicted_allreduce_bytes(1000, 0)
 
 
 def test_batch_helpers_reject_bad_sizes():
@@ -207,31 +210,31 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch():
     value and the fix (the field reports: world_size=1 failing late with a misleading assertion, dp=3 and
     steps=0 arriving from inside the ranks, world_size=8 leaving one sequence per rank for 2 micro-batches)."""
     with pytest.raises(ValueError, match=r"chapter 03 needs world_size >= 2, got world_size=1"):
-        data.check_chapter(world_size=1)
+        ch.check_chapter(world_size=1)
     with pytest.raises(ValueError, match=r"world_size=3 does not divide global_batch_size=8.* 6 \(e.g. 6 or 12\)"):
-        data.check_chapter(world_size=3)
+        ch.check_chapter(world_size=3)
     with pytest.raises(ValueError, match=r"n_microbatches=2 does not divide local_batch_size=1.*8 / 8"):
-        data.check_chapter(world_size=8)
+        ch.check_chapter(world_size=8)
     with pytest.raises(ValueError, match=r"steps=0"):
-        data.check_chapter(world_size=2, steps=0)
+        ch.check_chapter(world_size=2, steps=0)
     with pytest.raises(ValueError, match=r"n_microbatches=1: .*>= 2"):
-        data.check_chapter(world_size=2, n_microbatches=1)
+        ch.check_chapter(world_size=2, n_microbatches=1)
     with pytest.raises(ValueError, match=r"seq_len=999 exceeds"):
-        data.check_chapter(world_size=2, seq_len=999)
+        ch.check_chapter(world_size=2, seq_len=999)
     with pytest.raises(ValueError, match=r"scaling_batch_sizes=\(\) is empty"):
-        data.check_chapter(world_size=2, scaling_batch_sizes=())
+        ch.check_chapter(world_size=2, scaling_batch_sizes=())
     with pytest.raises(ValueError, match=r"unknown model preset 'nope'"):
-        data.check_chapter(world_size=2, model="nope")
-    ok = data.check_chapter(world_size=3, global_batch_size=6)
+        ch.check_chapter(world_size=2, model="nope")
+    ok = ch.check_chapter(world_size=3, global_batch_size=6)
     assert ok["local_batch_size"] == 2 and ok["n_microbatches"] == 2
 
 
 def test_chapter_rank_passes_the_users_values_down(monkeypatch):
     seen = {}
-    monkeypatch.setattr(data, "run_rank", lambda ctx, runs=None, **kw: seen.setdefault("runs", kw))
-    monkeypatch.setattr(data, "accumulation_demo_rank", lambda ctx: {})
-    monkeypatch.setattr(data, "scaling_rank", lambda ctx, sizes, **kw: seen.setdefault("scaling", (sizes, kw)))
-    data.chapter_rank(None, model="lab-tiny-gpt", seq_len=16, seed=2, global_batch_size=6, scaling_batch_sizes=(1, 2))
+    monkeypatch.setattr(ch, "run_rank", lambda ctx, runs=None, **kw: seen.setdefault("runs", kw))
+    monkeypatch.setattr(ch, "accumulation_demo_rank", lambda ctx: {})
+    monkeypatch.setattr(ch, "scaling_rank", lambda ctx, sizes, **kw: seen.setdefault("scaling", (sizes, kw)))
+    ch.chapter_rank(None, model="lab-tiny-gpt", seq_len=16, seed=2, global_batch_size=6, scaling_batch_sizes=(1, 2))
     assert seen["runs"] == {"model": "lab-tiny-gpt", "seq_len": 16, "seed": 2, "global_batch_size": 6}
     assert seen["scaling"] == ((1, 2), {"steps": 2, "model": "lab-tiny-gpt", "seq_len": 16, "seed": 2})
 
@@ -248,7 +251,7 @@ def test_check_fits_in_memory(monkeypatch):
 # ------------------------------------------------------------------------------------------------------
 # the chapters this engineer owns (03-06): parameters, validation first, exercises
 # ------------------------------------------------------------------------------------------------------
-CHAPTERS = {"03_data_parallel": "data.check_chapter(", "04_zero_fsdp": "zero.check_chapter(",
+CHAPTERS = {"03_data_parallel": "ch.check_chapter(", "04_zero_fsdp": "ch.check_chapter(",
             "05_tensor_parallel": "tp.check_chapter(", "06_pipeline_parallel": "pl.check_chapter("}
 
 
@@ -331,18 +334,16 @@ def test_dp_benchmark_exits_nonzero_when_a_goal_is_missed(monkeypatch, capsys):
 
 
 def test_scaling_findings_follow_the_numbers():
-    from labkit.parallel import data as dpm
-
     def rows(effs):
         return [{"local_batch_size": b, "efficiency": e} for b, e in zip((1, 2, 4, 8), effs)]
 
     # the tester's world_size=4 run: no monotone trend -> no claim that efficiency rose
-    mixed = dpm.scaling_findings(rows([0.60, 0.36, 0.86, 0.56]))
+    mixed = ch.scaling_findings(rows([0.60, 0.36, 0.86, 0.56]))
     assert "b=1: 0.60, b=2: 0.36, b=4: 0.86, b=8: 0.56" in mixed and "no monotone trend" in mixed
     assert "rose" not in mixed
-    assert "rose with the local batch" in dpm.scaling_findings(rows([0.3, 0.5, 0.5, 0.9]))
-    assert "FELL" in dpm.scaling_findings(list(reversed(rows([0.9, 0.5, 0.4, 0.3]))))  # rows sorted by b first
+    assert "rose with the local batch" in ch.scaling_findings(rows([0.3, 0.5, 0.5, 0.9]))
+    assert "FELL" in ch.scaling_findings(list(reversed(rows([0.9, 0.5, 0.4, 0.3]))))  # rows sorted by b first
     with pytest.raises(ValueError, match="got no rows"):
-        dpm.scaling_findings([])
+        ch.scaling_findings([])
     with pytest.raises(ValueError, match=r"lack \['efficiency'\]"):
-        dpm.scaling_findings([{"local_batch_size": 1}])
+        ch.scaling_findings([{"local_batch_size": 1}])

@@ -1,6 +1,6 @@
-"""Sharded data parallelism (labkit.parallel.zero) on gloo: ZeRO-1/2/3 from scratch and FSDP2 against the
-single-process reference, replicas identical, model-state bytes per rank and communication bytes equal
-to theory, and the FSDP2 wrong-device field case.
+"""Sharded data parallelism (labkit.parallel.zero; runs in labkit.experiments.zero) on gloo: ZeRO-1/2/3 from
+scratch and FSDP2 against the single-process reference, replicas identical, model-state bytes per rank and
+communication bytes equal to theory, and the FSDP2 wrong-device field case.
 
 Two launches (2 and 4 ranks); each checks several variants. Tolerance: labkit.models.TOLERANCES[fp32].
 """
@@ -11,28 +11,32 @@ import pytest
 import torch
 
 from labkit import launch
+from labkit.chapters import ch04_zero_fsdp as ch
+from labkit.experiments import zero as zx
 from labkit.experiments.common import GLOO, RING, SOCKET, assert_ranks_identical, assert_state_close, wire_table
 from labkit.models import TOLERANCES, build_model, train_reference
 from labkit.parallel import zero
+from labkit.parallel.zero.units import _Unit
+from labkit.theory import zero as zt
 from labkit.theory.spec import get_spec
 
 MODEL = "lab-tiny-llama"
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
 STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
-RUNS_2 = [{"variant": v} for v in zero.VARIANTS] + [
+RUNS_2 = [{"variant": v} for v in zt.VARIANTS] + [
     {"variant": "zero1", "n_microbatches": 2, "label": "zero1-acc"},
     {"variant": "zero2", "n_microbatches": 2, "label": "zero2-acc"},
     {"variant": "zero3", "n_microbatches": 2, "label": "zero3-acc"},
     {"variant": "fsdp2", "n_microbatches": 2, "label": "fsdp2-acc"},
     {"variant": "zero1", "n_microbatches": 2, "sync_microbatch": 0, "label": "zero1-wrong-sync"},
 ]
-RUNS_4 = [{"variant": v} for v in zero.VARIANTS] + [{"variant": "zero3", "n_microbatches": 2, "label": "zero3-acc"}]
+RUNS_4 = [{"variant": v} for v in zt.VARIANTS] + [{"variant": "zero3", "n_microbatches": 2, "label": "zero3-acc"}]
 
 
 def rank_fn(ctx, runs):
     """Test rank function: the variants, then the FSDP2 wrong-device field case on a real gloo group (a model
     whose parameters are on the meta device must give ValueError, not a crash)."""
-    out = zero.run_rank(ctx, runs, model=MODEL, steps=STEPS, global_batch_size=GLOBAL_BATCH, seq_len=SEQ)
+    out = zx.run_rank(ctx, runs, model=MODEL, steps=STEPS, global_batch_size=GLOBAL_BATCH, seq_len=SEQ)
     errors = []
     try:
         zero.fsdp2(_meta_model(), ctx)
@@ -96,7 +100,7 @@ def test_model_state_bytes_equal_calculator(launched):
     the byte. AdamW's 4-byte step counters are one per parameter tensor for DDP and FSDP2 (as the calculator
     assumes) but one per flat unit for the lab's ZeRO, so they are compared apart."""
     n, res = launched
-    predicted = zero.predicted_table(MODEL, [n]).set_index("variant")
+    predicted = ch.predicted_table(MODEL, [n]).set_index("variant")
     n_units = get_spec(MODEL).n_layers + 1
     for label, per_rank in _by_label(res).items():
         v = per_rank[0]["variant"]
@@ -118,10 +122,10 @@ def test_comm_bytes_equal_theory(launched):
     n, res = launched
     spec = get_spec(MODEL)
     psi = spec.n_params()
-    root = zero.root_params(spec)  # embeddings, final norm, head: gathered once per micro-batch
+    root = zt.root_params(spec)  # embeddings, final norm, head: gathered once per micro-batch
     for label, per_rank in _by_label(res).items():
         r0 = per_rank[0]
-        pred = zero.predicted_comm_bytes(STAGE[r0["variant"]], n, psi, root_params=root,
+        pred = zt.predicted_comm_bytes(STAGE[r0["variant"]], n, psi, root_params=root,
                                          n_microbatches=2 if "acc" in label else 1)
         got = {op: c["bytes_per_rank"] for op, c in r0["comm"].items()}
         assert got == pytest.approx(pred, rel=1e-9), label
@@ -130,8 +134,8 @@ def test_comm_bytes_equal_theory(launched):
     assert ratio == pytest.approx((3 * psi - root) / (2 * psi))
     assert 1.0 < ratio < 1.5
     assert by["fsdp2"][0]["ring_bytes_per_step"] == pytest.approx(by["zero3"][0]["ring_bytes_per_step"])
-    table = zero.comm_table(res, MODEL)
-    assert (table[zero.RING] - table[zero.PREDICTED]).abs().max() <= 1e-9 * table[zero.PREDICTED].max()
+    table = ch.comm_table(res, MODEL)
+    assert (table[ch.RING] - table[ch.PREDICTED]).abs().max() <= 1e-9 * table[ch.PREDICTED].max()
 
 
 def test_socket_bytes_follow_gloos_algorithms(launched):
@@ -170,7 +174,7 @@ def test_measure_counts_flat_zero_buffers_once():
     for stage in (1, 3):
         holder = torch.nn.Module()
         holder.a, holder.b = torch.nn.Linear(4, 6), torch.nn.Linear(2, 2)  # 30 + 6 = 36 parameters
-        unit = zero._Unit("u", list(holder.named_parameters()), n=2, rank=0, stage=stage)
+        unit = _Unit("u", list(holder.named_parameters()), n=2, rank=0, stage=stage)
         holder.shards = torch.nn.ParameterList([unit.shard])
         unit.zero_grad()
         assert unit.numel == unit.padded == 36
@@ -179,19 +183,19 @@ def test_measure_counts_flat_zero_buffers_once():
 
 
 def test_comm_formula():
-    base = sum(zero.predicted_comm_bytes(0, 8, 1000).values())
+    base = sum(zt.predicted_comm_bytes(0, 8, 1000).values())
     assert base == pytest.approx(2 * 7 / 8 * 4000)
-    assert sum(zero.predicted_comm_bytes(1, 8, 1000).values()) == pytest.approx(base)
-    assert sum(zero.predicted_comm_bytes(3, 8, 1000).values()) == pytest.approx(1.5 * base)
+    assert sum(zt.predicted_comm_bytes(1, 8, 1000).values()) == pytest.approx(base)
+    assert sum(zt.predicted_comm_bytes(3, 8, 1000).values()) == pytest.approx(1.5 * base)
     with pytest.raises(ValueError, match="stage=4"):
-        zero.predicted_comm_bytes(4, 8, 1000)
+        zt.predicted_comm_bytes(4, 8, 1000)
     with pytest.raises(ValueError, match="root_params=-1"):
-        zero.predicted_comm_bytes(3, 8, 1000, root_params=-1)
+        zt.predicted_comm_bytes(3, 8, 1000, root_params=-1)
     with pytest.raises(ValueError, match="root_params=2000 exceeds n_params=1000"):
-        zero.predicted_comm_bytes(3, 8, 1000, root_params=2000)
+        zt.predicted_comm_bytes(3, 8, 1000, root_params=2000)
     with pytest.raises(ValueError, match="bytes_per_element=0"):
-        zero.predicted_comm_bytes(0, 8, 1000, bytes_per_element=0)
-    assert "Raises:" in zero.predicted_comm_bytes.__doc__
+        zt.predicted_comm_bytes(0, 8, 1000, bytes_per_element=0)
+    assert "Raises:" in zt.predicted_comm_bytes.__doc__
 
 
 def _flat_units(model, d, rank, stage):
@@ -200,7 +204,7 @@ def _flat_units(model, d, rank, stage):
     root = [(q, p) for q, p in model.named_parameters() if p not in layer_params]
     groups = [root] + [[(f"layers.{i}.{q}", p) for q, p in layer.named_parameters()]
                        for i, layer in enumerate(model.layers)]
-    return [zero._Unit(f"u{i}", g, n=d, rank=rank, stage=stage) for i, g in enumerate(groups)]
+    return [_Unit(f"u{i}", g, n=d, rank=rank, stage=stage) for i, g in enumerate(groups)]
 
 
 @pytest.mark.parametrize("model_name", [MODEL, "lab-tiny-gpt"])
@@ -220,29 +224,29 @@ def test_layout_bytes_equal_the_live_layout_at_uneven_degrees(model_name):
             for u in units:
                 u.zero_grad()
             got = model_state_bytes(holder)
-            want = zero.layout_bytes(model_name, d, variant, rank)
+            want = zt.layout_bytes(model_name, d, variant, rank)
             assert (got["parameters"], got["gradients"]) == (want["parameters"], want["gradients"]), (variant, rank)
             assert want["optimizer"] == 2 * 4 * sum(u.k for u in units) + 4 * len(units)
     params = list(build_model(model_name).parameters())
     sizes = [sum(c[r].numel() if r < len(c) else 0 for c in (torch.chunk(p, d, dim=0) for p in params))
              for r in range(d)]
-    assert [zero.layout_bytes(model_name, d, "fsdp2", r)["parameters"] for r in range(d)] == [4 * x for x in sizes]
+    assert [zt.layout_bytes(model_name, d, "fsdp2", r)["parameters"] for r in range(d)] == [4 * x for x in sizes]
     assert len(set(sizes)) > 1  # uneven: the first ranks hold a row more
     # when d divides every size the layout is the calculator's Ψ/d
-    table = zero.predicted_table(model_name, [1, 2]).set_index(["degree", "variant"])
+    table = ch.predicted_table(model_name, [1, 2]).set_index(["degree", "variant"])
     for part in ("parameters", "gradients"):
         assert (table[part] == table[f"layout_{part}"]).all(), part
     with pytest.raises(ValueError, match="rank=3 must be in 0..2"):
-        zero.layout_bytes(model_name, 3, "zero3", 3)
+        zt.layout_bytes(model_name, 3, "zero3", 3)
 
 
 def test_padded_params():
     spec = get_spec(MODEL)
-    assert zero.padded_params(spec, 2, "zero3") == (spec.n_params(), zero.root_params(spec))
-    assert zero.padded_params(spec, 3, "ddp") == (spec.n_params(), zero.root_params(spec))
-    psi, root = zero.padded_params(spec, 3, "zero3")
+    assert zt.padded_params(spec, 2, "zero3") == (spec.n_params(), zt.root_params(spec))
+    assert zt.padded_params(spec, 3, "ddp") == (spec.n_params(), zt.root_params(spec))
+    psi, root = zt.padded_params(spec, 3, "zero3")
     assert psi % 3 == 0 and root % 3 == 0 and 0 < psi - spec.n_params() <= 2 * (spec.n_layers + 1)
-    psi_f, _ = zero.padded_params(spec, 3, "fsdp2")
+    psi_f, _ = zt.padded_params(spec, 3, "fsdp2")
     assert psi_f > psi
 
 
@@ -250,22 +254,22 @@ def test_chapter_rank_passes_the_users_batch_to_the_memory_runs(monkeypatch):
     """The field case: chapter 04 at world_size=3 with global_batch_size=6 failed in the memory measurement
     (it ran with its own default batch of 8). Every training argument now reaches both parts."""
     seen = {}
-    monkeypatch.setattr(zero, "run_rank", lambda ctx, runs=None, **kw: seen.setdefault("runs", kw) and [])
-    monkeypatch.setattr(zero, "memory_rank", lambda ctx, degrees, variants, **kw: seen.setdefault("memory", kw))
-    zero.chapter_rank(None, model="lab-tiny-gpt", steps=1, global_batch_size=6, seq_len=16, seed=3)
+    monkeypatch.setattr(ch, "run_rank", lambda ctx, runs=None, **kw: seen.setdefault("runs", kw) and [])
+    monkeypatch.setattr(ch, "memory_rank", lambda ctx, degrees, variants, **kw: seen.setdefault("memory", kw))
+    ch.chapter_rank(None, model="lab-tiny-gpt", steps=1, global_batch_size=6, seq_len=16, seed=3)
     assert seen["memory"] == {"model": "lab-tiny-gpt", "global_batch_size": 6, "seq_len": 16, "seed": 3}
 
 
 def test_check_chapter_refuses_bad_parameters_before_any_launch():
     with pytest.raises(ValueError, match=r"chapter 04 needs world_size >= 2, got world_size=1"):
-        zero.check_chapter(world_size=1)
+        ch.check_chapter(world_size=1)
     with pytest.raises(ValueError, match=r"world_size=3 does not divide global_batch_size=8.*multiple of world_size=3"):
-        zero.check_chapter(world_size=3)
+        ch.check_chapter(world_size=3)
     with pytest.raises(ValueError, match=r"steps=0"):
-        zero.check_chapter(world_size=2, steps=0)
+        ch.check_chapter(world_size=2, steps=0)
     with pytest.raises(ValueError, match=r"seq_len=500 exceeds"):
-        zero.check_chapter(world_size=2, seq_len=500)
-    assert zero.check_chapter(world_size=3, global_batch_size=6)["local_batch_size"] == 2
+        ch.check_chapter(world_size=2, seq_len=500)
+    assert ch.check_chapter(world_size=3, global_batch_size=6)["local_batch_size"] == 2
 
 
 @pytest.mark.slow
@@ -273,16 +277,20 @@ def test_three_ranks_uneven_shards_and_the_users_batch():
     """Chapter 04's launch at world_size=3, global_batch_size=6: trains, measures memory at every degree with
     the user's batch, and every rank's live bytes equal layout_bytes; the ring model of the logged calls
     equals the formula with padded Ψ."""
-    res = launch(zero.chapter_rank, 3, model=MODEL, steps=1, global_batch_size=6, seq_len=SEQ, timeout_s=300)
+    res = launch(ch.chapter_rank, 3, model=MODEL, steps=1, global_batch_size=6, seq_len=SEQ, timeout_s=300)
     for rank in range(3):
         for row in res[rank]["memory"]:
-            want = zero.layout_bytes(MODEL, row["degree"], row["variant"], rank % row["degree"])
+            want = zt.layout_bytes(MODEL, row["degree"], row["variant"], rank % row["degree"])
             assert {k: row[k] for k in want} == want, (rank, row["degree"], row["variant"])
-    table = zero.comm_table(res, MODEL)
-    assert (table[zero.RING] - table[zero.PREDICTED]).abs().max() <= 1e-9 * table[zero.PREDICTED].max()
+    table = ch.comm_table(res, MODEL)
+    assert (table[ch.RING] - table[ch.PREDICTED]).abs().max() <= 1e-9 * table[ch.PREDICTED].max()
 
 
-MY_MODULES = ["labkit.parallel.data", "labkit.parallel.zero", "labkit.runtime.training", "labkit.experiments.common",
+MY_MODULES = ["labkit.parallel.data", "labkit.parallel.data.naive", "labkit.parallel.data.bucketed",
+              "labkit.parallel.data.torch_native", "labkit.parallel.zero", "labkit.parallel.zero.units",
+              "labkit.parallel.zero.wrapper", "labkit.parallel.zero.fsdp2", "labkit.theory.data", "labkit.theory.zero",
+              "labkit.experiments.data", "labkit.experiments.zero", "labkit.chapters.ch03_data_parallel",
+              "labkit.chapters.ch04_zero_fsdp", "labkit.runtime.training", "labkit.experiments.common",
               "labkit.chapters.common",
               "labkit.parallel.tensor",
               "labkit.parallel.pipeline", "labkit.parallel.composed", "labkit.theory.simulate"]
@@ -291,7 +299,7 @@ MY_MODULES = ["labkit.parallel.data", "labkit.parallel.zero", "labkit.runtime.tr
 @pytest.mark.parametrize("module", MY_MODULES)
 def test_public_functions_that_raise_say_so(module):
     """A public function whose body validates its input (raise ValueError, or a labkit.checks helper) says
-    what it raises in its docstring (field report: zero.predicted_comm_bytes had no Raises section)."""
+    what it raises in its docstring (field report: zt.predicted_comm_bytes had no Raises section)."""
     import ast
     import importlib
     import inspect
