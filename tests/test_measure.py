@@ -1,4 +1,5 @@
-"""labkit.runtime.measure: measured memory equals labkit.theory.memory's prediction on the lab's model.
+"""labkit.runtime.measure (the tools) and labkit.experiments.memory (the run): measured memory equals
+labkit.theory.memory's prediction on the lab's model.
 
 Model states (parameters, gradients, AdamW state) must match to the byte; saved activations within 5 % (the
 issue's bar) — and, on torch 2.13 on CPU, to the byte (the lab's derivation in labkit.theory.memory.activation_items).
@@ -13,17 +14,10 @@ import torch
 import torch.nn as nn
 
 from labkit import launch
-from labkit.runtime.measure import (
-    RANK_OVERHEAD_BYTES,
-    SavedActivations,
-    check_training_run,
-    cuda_memory,
-    host_memory_bytes,
-    measure_training_rank,
-    model_state_bytes,
-    tensor_bytes,
-)
+from labkit.experiments.memory import RANK_OVERHEAD_BYTES, check_training_run, measure_training_rank
+from labkit.runtime.measure import SavedActivations, cuda_memory, host_memory_bytes, model_state_bytes, tensor_bytes
 from labkit.theory import memory as mem
+from labkit.theory.spec import get_spec
 
 CPU_CTX = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), sync=lambda: None, barrier=lambda: None)
 TORCH_213 = torch.__version__.startswith("2.13")
@@ -110,7 +104,7 @@ def test_single_rank_measured_vs_predicted(model, attention, dropout, dtype):
 
 
 def test_pipeline_and_recompute_do_not_change_the_per_layer_formula():
-    spec = mem.get_spec("lab-tiny-llama")
+    spec = get_spec("lab-tiny-llama")
     train = mem.TrainConfig(micro_batch_size=2, seq_len=40, convention="torch-fp32", kernels="cpu")
     per_layer = mem.activation_bytes_per_layer(spec, train)
     r = measure_training_rank(CPU_CTX, "lab-tiny-llama", micro_batch_size=2, seq_len=40)[0]
@@ -128,7 +122,7 @@ def test_distributed_ddp_and_fsdp2_on_gloo():
     res = launch(measure_training_rank, world, "lab-tiny-llama", micro_batch_size=2, seq_len=32,
                  wraps=("none", "ddp", "fsdp2"), backend="gloo", echo=False, timeout_s=240)
     assert len(res) == world
-    n_tensors = len(mem.param_tensors(mem.get_spec("lab-tiny-llama")))
+    n_tensors = len(mem.param_tensors(get_spec("lab-tiny-llama")))
     shards = []
     for rank_results in res:
         by_wrap = {r["wrap"]: r for r in rank_results}
@@ -213,3 +207,70 @@ def test_chapter01_at_world_size_3_and_every_number_labelled(tmp_path):
             if not re.search(r"predicted|measured|published", text, re.IGNORECASE):
                 unlabelled.append((i, text[:120]))
     assert not unlabelled, unlabelled
+
+
+# ------------------------------------------------------------------------------------------------------
+# chapter 01: every parameter checked before any launch
+# ------------------------------------------------------------------------------------------------------
+CH01 = dict(world_size=2, model="lab-tiny-llama", micro_batch_size=2, seq_len=64, attention="sdpa",
+            big_model="llama-3-70b", device="h100-80gb", timeout_s=240.0)
+
+
+def test_chapter01_first_cell_validates_every_parameter_through_check_chapter(monkeypatch):
+    import ast
+
+    import nbformat
+
+    import labkit
+    import labkit.runtime.launcher
+    from labkit import notebooks
+    from labkit.paths import notebooks_dir
+
+    def no_launch(*a, **k):
+        raise AssertionError("launched before validating the parameters")
+
+    monkeypatch.setattr(labkit.runtime.launcher, "launch", no_launch)
+    monkeypatch.setattr(labkit, "launch", no_launch)
+    path = notebooks_dir() / "01_memory_budgets.ipynb"
+    cells = nbformat.read(str(path), 4).cells
+    i = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    first = next(c.source for c in cells[i + 1:] if c.cell_type == "code")
+    calls = [n for n in ast.walk(ast.parse(first)) if isinstance(n, ast.Call)
+             and getattr(n.func, "attr", "") == "check_chapter"]
+    assert len(calls) == 1, "the first code cell validates through one ch.check_chapter call"
+    assert {k.arg for k in calls[0].keywords} == set(notebooks.declared_parameters(path)) == set(CH01)
+    ns = {}
+    exec(cells[i].source, ns)
+    ns["world_size"] = 1
+    with pytest.raises(ValueError, match=r"chapter 01 needs world_size >= 2, got world_size=1: .*use world_size=2"):
+        exec(first, ns)  # nothing launched yet
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("world_size", 0, "world_size=0"),
+    ("model", "nope", "unknown model preset 'nope'"),
+    ("model", "lab-tiny-moe", "mixture-of-experts"),
+    ("micro_batch_size", 0, "micro_batch_size=0"),
+    ("seq_len", 10**6, "max_seq_len"),
+    ("attention", "flash", "attention='flash' is not valid"),
+    ("big_model", "nope", "big_model='nope'"),
+    ("device", "nope", "device='nope'.*valid devices"),
+    ("timeout_s", 0, "timeout_s=0"),
+])
+def test_chapter01_check_chapter_refuses_each_bad_parameter(key, value, match):
+    from labkit.chapters import ch01_memory_budgets as ch
+
+    assert "predicted" in ch.check_chapter(**CH01)["summary"]
+    with pytest.raises(ValueError, match=match):
+        ch.check_chapter(**{**CH01, key: value})
+
+
+def test_chapter01_prediction_uses_the_runs_calculator_settings():
+    """The notebook's TrainConfig (section 1) predicts what measure_training_rank predicts for the same run."""
+    from labkit.experiments.memory import train_config
+
+    spec = get_spec("lab-tiny-llama")
+    notebook = mem.TrainConfig(micro_batch_size=2, seq_len=64, convention="torch-fp32", attention="flash",
+                               kernels="cpu", act_dtype="fp32")
+    run = train_config(spec, 2, 64, "sdpa", "float32", "cpu")
+    assert mem.train_memory(spec, train=notebook).categories == mem.train_memory(spec, train=run).categories

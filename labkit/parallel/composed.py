@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from labkit.checks import check_choice, check_divides, divisors, positive_float, positive_int
 from labkit.models import SyntheticLM, Transformer, build_model, lm_loss, make_optimizer, train_reference
+from labkit.parallel.mesh import device_mesh
 from labkit.runtime.measure import model_state_bytes
 from labkit.runtime.training import local_batch, train_steps
 from labkit.theory.mesh import MeshError, ParallelDims, Violation
@@ -335,7 +336,7 @@ def composed_rank(ctx, runs=DEFAULT_RUNS, *, model: str | ModelSpec = "lab-tiny-
     out = []
     for run in runs:
         dims = run_dims(run, ctx.world_size)
-        mesh = dims.device_mesh(ctx.device.type)
+        mesh = device_mesh(dims, ctx.device.type)
         groups = _mesh_groups(mesh, dims, ctx.rank)
         for dim, (theirs, ours) in groups.items():
             assert theirs == ours, f"mesh dim {dim}: torch group {theirs} != ParallelDims group {ours}"

@@ -1,7 +1,7 @@
 """ParallelDims: the degrees of a composed (multi-dimensional) parallel run, their validation, the rank grid
-(which ranks share a TP / CP / DP / PP / EP group) and a torch DeviceMesh built from them.
+(which ranks share a TP / CP / DP / PP / EP group) and the shape of the torch DeviceMesh built from them.
 
-Pure Python (no torch import); only :meth:`ParallelDims.device_mesh` imports torch, when called.
+Pure Python (no torch import); :func:`labkit.parallel.mesh.device_mesh` builds the torch mesh in a rank.
 
 World size
 ----------
@@ -26,7 +26,7 @@ with dp=2, tp=2, pp=2::
     PP groups: [0, 4] [1, 5] [2, 6] [3, 7]
 
 :meth:`ParallelDims.grid` returns one row per rank (its coordinates and the index of each group it is in),
-:meth:`ParallelDims.group_table` one row per group. The torch mesh of :meth:`ParallelDims.device_mesh` is
+:meth:`ParallelDims.group_table` one row per group. The torch mesh of :func:`labkit.parallel.mesh.device_mesh` is
 the same grid: ``init_device_mesh`` numbers ranks row-major over its shape, and the shape is ``order``
 reversed (outermost first), so ``mesh["tp"]`` groups are exactly ``groups("tp")`` (tests/test_composed.py
 checks this in a real run).
@@ -452,7 +452,7 @@ class ParallelDims:
         return {dim: {"degree": self.degree(dim), "stride": self._strides[dim],
                       **dim_placement(self.degree(dim), self._strides[dim], g)} for dim in self.order}
 
-    # -- torch ---------------------------------------------------------------------------------------
+    # -- the torch mesh's shape ----------------------------------------------------------------------
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """Shape of the torch DeviceMesh: the degrees in ``order`` reversed (outermost first)."""
@@ -461,22 +461,6 @@ class ParallelDims:
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         return tuple(reversed(self.order))
-
-    def device_mesh(self, device_type: str = "cpu"):
-        """A ``torch.distributed.device_mesh.DeviceMesh`` of shape :attr:`mesh_shape` named
-        :attr:`mesh_dim_names` (``("pp", "dp", "cp", "tp")`` by default; size-1 dims included so ``mesh["tp"]``
-        always exists). Call it inside a rank (the default process group must exist); every rank calls it.
-        Expert groups are not mesh dimensions: take them from ``groups("ep")``.
-
-        Raises ValueError when the process group's world size differs from ``world_size``.
-        """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if dist.is_initialized() and dist.get_world_size() != self.world_size:
-            raise ValueError(f"the process group has world_size={dist.get_world_size()} but these dims need "
-                             f"world_size={self.world_size}; launch {self.world_size} ranks")
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
 
 
 def enumerate_dims(world_size: int, *, max_tp: int | None = None, max_pp: int | None = None,
