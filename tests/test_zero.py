@@ -284,7 +284,9 @@ def test_three_ranks_uneven_shards_and_the_users_batch():
 
 MY_MODULES = ["labkit.parallel.data", "labkit.parallel.zero", "labkit.runtime.training", "labkit.experiments.common",
               "labkit.chapters.common",
-              "labkit.parallel.tensor",
+              "labkit.parallel.tensor.primitives", "labkit.parallel.tensor.layers", "labkit.parallel.tensor.blocks",
+              "labkit.parallel.tensor.model", "labkit.parallel.tensor.dtensor", "labkit.theory.tensor",
+              "labkit.experiments.tensor", "labkit.chapters.ch05_tensor_parallel",
               "labkit.parallel.pipeline", "labkit.parallel.composed", "labkit.theory.simulate"]
 
 
