@@ -1,7 +1,7 @@
 """Hand-written tensor parallelism vs torch's DTensor tensor parallelism: step time of the same model.
 
 Both variants are built from the same full weights and trained on the same batches in the same launch,
-interleaved step by step (labkit.parallel.tensor.step_time_rank), so machine load hits them alike. Prints
+interleaved step by step (labkit.experiments.tensor.step_time_rank), so machine load hits them alike. Prints
 min / median / max measured step time per variant, checks that both reach the same losses, and prints the
 hand/DTensor step-time ratio last: the median of the per-step ratios with their spread (goal <= 1.0: the
 hand version issues the same collectives without DTensor's dispatch overhead). The exit status is 1 when the
@@ -31,17 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from labkit import launch
+    from labkit.experiments import tensor as tpx
     from labkit.experiments.common import ratio_verdict
     from labkit.models import TOLERANCES
-    from labkit.parallel import tensor as tp
+    from labkit.theory.tensor import check_tp
 
     variants = ("hand_sp", "dtensor_sp") if args.sp else ("hand", "dtensor")
     try:
-        tp.check_tp(args.model, args.world_size, sequence_parallel=args.sp, seq_len=args.seq_len, dtensor=True)
+        check_tp(args.model, args.world_size, sequence_parallel=args.sp, seq_len=args.seq_len, dtensor=True)
     except ValueError as e:
         print(f"tp_vs_dtensor: {e}", file=sys.stderr)
         return 2
-    res = launch(tp.step_time_rank, args.world_size, args.model, variants, batch_size=args.batch_size,
+    res = launch(tpx.step_time_rank, args.world_size, args.model, variants, batch_size=args.batch_size,
                  seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, echo=False)
     r = res[0]
     print(f"model {args.model}, tp={args.world_size}, batch {args.batch_size} x seq {args.seq_len}, "

@@ -53,6 +53,7 @@ from labkit.checks import check_choice, check_divides, positive_float, positive_
 from labkit.models import Transformer, apply_rope, build_model
 from labkit.runtime.timeline import now_ns
 from labkit.theory import memory as mem
+from labkit.theory import tensor as tensor_theory
 from labkit.theory.spec import ModelSpec, get_spec
 
 MODES = ("replicas", "tp")
@@ -106,24 +107,14 @@ def _check_workload(spec: ModelSpec, requests: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
-# tensor parallelism for inference: labkit.parallel.tensor
+# tensor parallelism for inference: labkit.parallel.tensor (its rules and counts: labkit.theory.tensor)
 # ------------------------------------------------------------------------------------------------------
-def check_tp(spec: ModelSpec, tp: int) -> None:
-    """Raise ValueError unless ``tp`` can split ``spec`` for serving: :func:`labkit.parallel.tensor.check_tp`
-    (heads, ffn_hidden_size, vocabulary), and tp must divide n_kv_heads (every rank keeps its own kv heads'
-    cache, as :func:`labkit.theory.memory.kv_cache_bytes` counts it; replicated kv heads are not served here)."""
-    from labkit.parallel.tensor import check_tp as tensor_check_tp
-
-    tensor_check_tp(spec, tp)
-    check_divides("tp", tp, "n_kv_heads", spec.n_kv_heads,
-                  hint=f"model {spec.name!r}: the KV cache is split by kv heads")
-
-
-def _check_tp_shapes(spec: ModelSpec, tp: int) -> None:
-    """The divisibility the analytic model needs: heads, kv heads and ffn_hidden_size by tp (a vocabulary
-    that does not divide is padded in practice)."""
-    for name in ("n_heads", "n_kv_heads", "ffn_hidden_size"):
-        check_divides("tp", tp, name, getattr(spec, name), hint=f"model {spec.name!r}")
+def check_tp(spec: ModelSpec, tp: int, *, pad_vocab: bool = False) -> dict:
+    """Raise ValueError unless ``tp`` can split ``spec`` for serving: :func:`labkit.theory.tensor.check_tp`
+    with ``kv_cache=True`` (heads, ffn_hidden_size, vocabulary unless ``pad_vocab``, and tp must divide
+    n_kv_heads: every rank keeps its own kv heads' cache, as :func:`labkit.theory.memory.kv_cache_bytes`
+    counts it; replicated kv heads are not served here). Returns the plan."""
+    return tensor_theory.check_tp(spec, tp, pad_vocab=pad_vocab, kv_cache=True)
 
 
 def shard_tp(model: Transformer, group):
@@ -139,12 +130,10 @@ def shard_tp(model: Transformer, group):
 
 def collectives_per_forward(spec: ModelSpec, tp: int) -> dict:
     """*Predicted* collectives of one TP forward pass (a prefill, or one decode step for the whole batch):
-    ``all_reduce`` = 2 per layer (after attention, after the MLP; Shoeybi et al. 2019, Sec. 3) + 1 (the
-    vocabulary-parallel embedding), ``all_gather`` = 1 (the vocabulary-split logits, gathered to sample).
-    Zero for tp = 1."""
-    if positive_int("tp", tp) == 1:
-        return {"all_reduce": 0, "all_gather": 0}
-    return {"all_reduce": 2 * spec.n_layers + 1, "all_gather": 1}
+    :func:`labkit.theory.tensor.collectives_per_forward` with the logits gathered to sample —
+    ``all_reduce`` = 2 per layer + 1 (the vocabulary-parallel embedding), ``all_gather`` = 1. Zero for
+    tp = 1. Raises ValueError for a tp the model cannot use."""
+    return tensor_theory.collectives_per_forward(spec, tp, gather_logits=True)
 
 
 def _gather_vocab(model, logits: torch.Tensor) -> torch.Tensor:
@@ -1016,7 +1005,7 @@ def predict_deployments(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8
         tps = []
         for t in divisors(gpus):
             try:
-                _check_tp_shapes(spec, t)
+                check_tp(spec, t, pad_vocab=True)
                 tps.append(t)
             except ValueError:
                 pass
@@ -1025,7 +1014,7 @@ def predict_deployments(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8
     rows = []
     for tp in tps:
         check_divides("tp", tp, "gpus", gpus)
-        _check_tp_shapes(spec, tp)
+        check_tp(spec, tp, pad_vocab=True)
         replicas = gpus // tp
         check_divides("replicas", replicas, "concurrency", concurrency,
                       hint=f"gpus/tp = {replicas} replicas share the sequences evenly")

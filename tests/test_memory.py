@@ -234,7 +234,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them():
     for tp in (8, 16, 64):
         expected = (spec.n_params() - norms - kv) // tp + norms + kv // min(tp, spec.n_kv_heads)
         assert m.train_memory(spec, m.ParallelConfig(tp=tp)).n_params_local == expected, tp
-    # neither divides the other: refused, naming the valid tp (the rule of labkit.parallel.tensor.kv_plan)
+    # neither divides the other: refused, naming the valid tp (the rule of labkit.theory.tensor.kv_plan)
     for call in (lambda: m.kv_cache_bytes(KV_ODD, 1, tp=6), lambda: m.train_memory(KV_ODD, m.ParallelConfig(tp=6)),
                  lambda: m.estimate("infer", model=KV_ODD, tp=6)):
         with pytest.raises(ValueError, match=r"tp=6 neither divides n_kv_heads=4 .* valid tp: 1, 2, 4, 12$"):
@@ -245,7 +245,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them():
 
 def test_kv_replication_rule_is_the_tensor_parallel_codes():
     pytest.importorskip("torch")
-    from labkit.parallel.tensor import kv_plan
+    from labkit.theory.tensor import kv_plan
 
     for heads, kv in ((64, 8), (12, 4), (32, 32), (8, 2), (12, 3), (48, 6)):
         for tp in divisors(heads):

@@ -1,5 +1,6 @@
-"""Tensor and sequence parallelism (labkit.parallel.tensor): parity with the unsharded model, counted
-collectives against theory, field cases, bad input, the DTensor variant, chapter 05 and the benchmark.
+"""Tensor and sequence parallelism (labkit.parallel.tensor; formulas in labkit.theory.tensor, rank functions in
+labkit.experiments.tensor, chapter glue in labkit.chapters.ch05_tensor_parallel): parity with the unsharded
+model, counted collectives against theory, field cases, bad input, the DTensor variant, chapter 05 and the benchmark.
 
 Multi-process tests run on gloo; one launch per tp degree checks everything (tp_check_rank).
 Tolerance: fp32, labkit.models.TOLERANCES (rtol 1e-4, atol 1e-5); weights after AdamW steps get
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from labkit.parallel import tensor as tp
+from labkit.chapters import ch05_tensor_parallel as ch
+from labkit.experiments import tensor as tpx
+from labkit.theory import tensor as tpt
 from labkit.theory.spec import get_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,34 +30,34 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_tp_not_dividing_heads_ffn_vocab():
     llama = get_spec("lab-tiny-llama")
     with pytest.raises(ValueError, match=r"tp=3 does not divide n_heads=4; valid tp: 1, 2, 4"):
-        tp.check_tp(llama, 3)
+        tpt.check_tp(llama, 3)
     with pytest.raises(ValueError, match=r"tp=4 does not divide ffn_hidden_size=174; valid tp: 1, 2, 3, 6"):
-        tp.check_tp(llama.replace(ffn_hidden_size=174), 4)
+        tpt.check_tp(llama.replace(ffn_hidden_size=174), 4)
     with pytest.raises(ValueError, match=r"tp=4 does not divide vocab_size=250; valid tp: 1, 2, 5.*"
                                          r"pad the vocabulary to 252 with pad_vocab=True"):
-        tp.check_tp(llama.replace(vocab_size=250), 4)
-    plan = tp.check_tp(llama.replace(vocab_size=250), 4, pad_vocab=True)
+        tpt.check_tp(llama.replace(vocab_size=250), 4)
+    plan = tpt.check_tp(llama.replace(vocab_size=250), 4, pad_vocab=True)
     assert plan["padded_vocab_size"] == 252 and plan["kv"] == "replicate"
-    assert tp.check_tp(llama, 2)["kv"] == "split"
+    assert tpt.check_tp(llama, 2)["kv"] == "split"
 
 
 def test_kv_heads_neither_split_nor_replicable():
     spec = get_spec("lab-tiny-llama").replace(n_heads=12, n_kv_heads=3, hidden_size=96, ffn_hidden_size=192)
     with pytest.raises(ValueError, match=r"tp=2 neither divides n_kv_heads=3.*valid tp: 1, 3, 6, 12"):
-        tp.check_tp(spec, 2)
-    assert tp.check_tp(spec, 6, pad_vocab=True)["kv"] == "replicate"
+        tpt.check_tp(spec, 2)
+    assert tpt.check_tp(spec, 6, pad_vocab=True)["kv"] == "replicate"
 
 
 def test_other_refusals():
     llama = get_spec("lab-tiny-llama")
     with pytest.raises(ValueError, match="seq_len=15"):
-        tp.check_tp(llama, 2, sequence_parallel=True, seq_len=15)
+        tpt.check_tp(llama, 2, sequence_parallel=True, seq_len=15)
     with pytest.raises(ValueError, match="dropout=0.1"):
-        tp.check_tp(llama.replace(dropout=0.1), 2)
+        tpt.check_tp(llama.replace(dropout=0.1), 2)
     with pytest.raises(ValueError, match="DTensor variant.*n_kv_heads=2"):
-        tp.check_tp(llama, 4, dtensor=True)
+        tpt.check_tp(llama, 4, dtensor=True)
     with pytest.raises(ValueError, match="tied embeddings"):
-        tp.check_tp("lab-tiny-gpt", 2, dtensor=True)
+        tpt.check_tp("lab-tiny-gpt", 2, dtensor=True)
 
 
 def test_check_chapter_validates_and_decides_dtensor_variants():
@@ -62,40 +65,40 @@ def test_check_chapter_validates_and_decides_dtensor_variants():
     variants the model cannot run are skipped with the reason instead of failing inside the ranks (field
     case: model=lab-tiny-gpt, tied embeddings, raised RankFailed)."""
     with pytest.raises(ValueError, match=r"chapter 05 needs world_size >= 2, got world_size=1"):
-        tp.check_chapter(world_size=1)
+        ch.check_chapter(world_size=1)
     with pytest.raises(ValueError, match=r"world_size=3 is the tp degree in chapter 05: tp=3 does not divide n_heads"):
-        tp.check_chapter(world_size=3)
+        ch.check_chapter(world_size=3)
     with pytest.raises(ValueError, match=r"tp=2 does not divide seq_len=15"):
-        tp.check_chapter(world_size=2, seq_len=15)
+        ch.check_chapter(world_size=2, seq_len=15)
     with pytest.raises(ValueError, match=r"mixture-of-experts"):
-        tp.check_chapter(world_size=2, model="lab-tiny-moe")
+        ch.check_chapter(world_size=2, model="lab-tiny-moe")
     with pytest.raises(ValueError, match=r"gelu_model='lab-tiny-llama' must be a GELU model with biases"):
-        tp.check_chapter(world_size=2, gelu_model="lab-tiny-llama")
+        ch.check_chapter(world_size=2, gelu_model="lab-tiny-llama")
     with pytest.raises(ValueError, match=r"time_steps=0"):
-        tp.check_chapter(world_size=2, time_steps=0)
+        ch.check_chapter(world_size=2, time_steps=0)
     with pytest.raises(ValueError, match=r"time_seq_len=4096 exceeds"):
-        tp.check_chapter(world_size=2, time_seq_len=4096)
-    ok = tp.check_chapter(world_size=2)
+        ch.check_chapter(world_size=2, time_seq_len=4096)
+    ok = ch.check_chapter(world_size=2)
     assert ok["dtensor_parity"] == (False, True) and "dtensor" in ok["time_variants"] and not ok["skipped"]
-    gpt = tp.check_chapter(world_size=2, model="lab-tiny-gpt")
+    gpt = ch.check_chapter(world_size=2, model="lab-tiny-gpt")
     assert gpt["dtensor_parity"] == () and "dtensor" not in gpt["time_variants"]
     assert set(gpt["skipped"]) == {"DTensor parity, TP", "DTensor parity, TP+SP", "DTensor step time"}
     assert all("tied embeddings" in why for why in gpt["skipped"].values())
-    four = tp.check_chapter(world_size=4)  # 2 kv heads: DTensor cannot replicate them in the step-time model
+    four = ch.check_chapter(world_size=4)  # 2 kv heads: DTensor cannot replicate them in the step-time model
     assert four["dtensor_parity"] == (False, True) and "dtensor" not in four["time_variants"]
     assert "n_kv_heads=2" in four["skipped"]["DTensor step time"]
     # the other limit check_chapter relies on: SP with learned positions (an untied GPT)
     with pytest.raises(ValueError, match="RoPE models only"):
-        tp.check_tp(get_spec("lab-tiny-gpt").replace(tied_embeddings=False), 2, sequence_parallel=True, dtensor=True)
+        tpt.check_tp(get_spec("lab-tiny-gpt").replace(tied_embeddings=False), 2, sequence_parallel=True, dtensor=True)
 
 
 def test_pad_vocab_size():
-    assert tp.pad_vocab_size(255, 2) == 256
-    assert tp.pad_vocab_size(256, 4) == 256
-    assert tp.pad_vocab_size(50257, 1, 128) == 50304  # GPT-2 vocab padded by Megatron-LM at tp=1
-    assert tp.pad_vocab_size(50257, 8, 128) == 51200
+    assert tpt.pad_vocab_size(255, 2) == 256
+    assert tpt.pad_vocab_size(256, 4) == 256
+    assert tpt.pad_vocab_size(50257, 1, 128) == 50304  # GPT-2 vocab padded by Megatron-LM at tp=1
+    assert tpt.pad_vocab_size(50257, 8, 128) == 51200
     with pytest.raises(ValueError):
-        tp.pad_vocab_size(0, 2)
+        tpt.pad_vocab_size(0, 2)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -103,20 +106,37 @@ def test_pad_vocab_size():
 # ------------------------------------------------------------------------------------------------------
 def test_theory_per_layer_and_sp_bytes():
     s = 2 * 16 * 64 * 4
-    rows = tp.comm_theory_per_layer(2, 16, 64, 4)
+    rows = tpt.comm_theory_per_layer(2, 16, 64, 4)
     assert [(r["phase"], r["op"], r["calls"], r["nbytes"]) for r in rows] == [
         ("fwd", "all_reduce", 2, s), ("bwd", "all_reduce", 2, s)]
     ar = sum(r["bytes_per_rank"] for r in rows)
-    sp = tp.comm_theory_per_layer(2, 16, 64, 4, sequence_parallel=True, regather=False)
+    sp = tpt.comm_theory_per_layer(2, 16, 64, 4, sequence_parallel=True, regather=False)
     assert sum(r["bytes_per_rank"] for r in sp) == pytest.approx(ar)  # same bytes on a ring
-    sp_re = tp.comm_theory_per_layer(2, 16, 64, 4, sequence_parallel=True, regather=True)
+    sp_re = tpt.comm_theory_per_layer(2, 16, 64, 4, sequence_parallel=True, regather=True)
     extra = sum(r["bytes_per_rank"] for r in sp_re) - ar
     assert extra == pytest.approx(2 * s * 3 / 4)  # one all-gather per column region in the backward
 
 
+def test_serving_counts_and_rules_come_from_the_one_theory():
+    """labkit.serving asks labkit.theory.tensor for its TP rule and its collective count (one copy of each)."""
+    from labkit import serving as sv
+
+    llama = get_spec("lab-tiny-llama")
+    want = {"all_reduce": 2 * llama.n_layers + 1, "all_gather": 1}  # g per block + the embedding; logits gathered
+    assert tpt.collectives_per_forward(llama, 2) == want == sv.collectives_per_forward(llama, 2)
+    assert tpt.collectives_per_forward(llama, 2, gather_logits=False)["all_gather"] == 0
+    assert tpt.collectives_per_forward(llama, 1) == {"all_reduce": 0, "all_gather": 0}
+    fwd = [r for r in tpt.comm_theory_model(llama, 2, 16, 2) if r["phase"] == "fwd" and r["where"] != "loss"]
+    assert sum(r["calls"] for r in fwd) == want["all_reduce"]  # the same rows the training step predicts
+    assert tpt.check_tp(llama, 4)["kv"] == "replicate"  # training replicates the 2 kv heads ...
+    with pytest.raises(ValueError, match=r"tp=4 does not divide n_kv_heads=2; valid tp: 1, 2; model 'lab-tiny-llama'"):
+        tpt.check_tp(llama, 4, kv_cache=True)  # ... a server splits its KV cache by them
+    assert sv.check_tp(llama, 2) == tpt.check_tp(llama, 2, kv_cache=True)
+
+
 def test_theory_mlp_pair():
-    cr = tp.comm_theory_mlp_pair("column-row", 32, 64, 176, 2)
-    cc = tp.comm_theory_mlp_pair("column-column", 32, 64, 176, 2)
+    cr = tpt.comm_theory_mlp_pair("column-row", 32, 64, 176, 2)
+    cc = tpt.comm_theory_mlp_pair("column-column", 32, 64, 176, 2)
     assert [r["op"] for r in cr if r["phase"] == "fwd"] == ["all_reduce"]
     fwd = [r for r in cc if r["phase"] == "fwd"]
     assert [(r["op"], r["calls"]) for r in fwd] == [("all_gather", 2)]  # the [T, F] activation, then the output
@@ -130,7 +150,7 @@ def test_theory_mlp_pair():
 def checked(request):
     from labkit import launch
 
-    res = launch(tp.tp_check_rank, request.param, echo=False)
+    res = launch(tpx.tp_check_rank, request.param, echo=False)
     return res[0]
 
 
@@ -151,19 +171,19 @@ def test_parity(checked):
 def test_counted_collectives_equal_theory(checked):
     spec = get_spec(checked["spec"])
     for key, sp, regather in (("tp", False, True), ("sp", True, True), ("sp_no_regather", True, False)):
-        theory = tp.comm_theory_model(spec, checked["batch_size"], checked["seq_len"], checked["tp"],
+        theory = tpt.comm_theory_model(spec, checked["batch_size"], checked["seq_len"], checked["tp"],
                                       sequence_parallel=sp, regather=regather)
-        table = tp.comm_vs_theory(checked["comm"][key], theory)
+        table = tpx.comm_vs_theory(checked["comm"][key], theory)
         wrong = [r for r in table if not r["match"]]
         assert not wrong, f"{key}: {wrong}"
     # per layer: 2 all-reduces forward, 2 backward, each of B*T*H*4 bytes
-    per_layer = [r for r in tp.comm_table(checked["comm"]["tp"]) if r["where"].startswith("layer")]
+    per_layer = [r for r in tpx.comm_table(checked["comm"]["tp"]) if r["where"].startswith("layer")]
     assert len(per_layer) == 2 * spec.n_layers
     s = checked["batch_size"] * checked["seq_len"] * spec.hidden_size * 4
     assert all(r["op"] == "all_reduce" and r["calls"] == 2 and r["nbytes"] == s for r in per_layer)
     # SP without the re-gather moves the same bytes per rank as TP in the layers
     def layer_bytes(key):
-        return sum(r["bytes_per_rank"] for r in tp.comm_table(checked["comm"][key]) if r["where"].startswith("layer"))
+        return sum(r["bytes_per_rank"] for r in tpx.comm_table(checked["comm"][key]) if r["where"].startswith("layer"))
     assert layer_bytes("sp_no_regather") == pytest.approx(layer_bytes("tp"))
     assert layer_bytes("sp") > layer_bytes("tp")
 
@@ -176,12 +196,12 @@ def test_socket_bytes_measured_beside_the_ring_model(checked):
 
     from labkit.collectives import socket_bytes_written
 
-    rows = {r["variant"]: r for r in tp.step_bytes_table(checked)}
+    rows = {r["variant"]: r for r in ch.step_bytes_table(checked)}
     assert set(rows) == {"TP", "TP+SP", "TP+SP (no re-gather)"}
     for v, r in rows.items():
         assert r["ring bytes (model: S x factor)"] == pytest.approx(r["ring bytes (predicted: comm_theory_model)"]), v
     assert rows["TP+SP"]["gloo model"] > rows["TP+SP"]["ring bytes (model: S x factor)"]
-    table = tp.comm_vs_theory(checked["comm"]["tp"], [])
+    table = tpx.comm_vs_theory(checked["comm"]["tp"], [])
     assert "bytes_per_rank_model" in table[0] and "bytes_per_rank_measured" not in table[0]
     if socket_bytes_written() is None:
         assert all(math.isnan(r["socket bytes written (measured: gloo)"]) for r in rows.values())
@@ -196,8 +216,8 @@ def test_column_column_needs_extra_all_gather(checked):
     assert all(r["parity_ok"] for r in recs)
     tokens = checked["batch_size"] * checked["seq_len"]
     for kind in ("column-row", "column-column"):
-        theory = tp.comm_theory_mlp_pair(kind, tokens, spec.hidden_size, spec.ffn_hidden_size, checked["tp"])
-        table = tp.comm_vs_theory([r for r in recs if r["tag"].startswith(kind)], theory)
+        theory = tpt.comm_theory_mlp_pair(kind, tokens, spec.hidden_size, spec.ffn_hidden_size, checked["tp"])
+        table = tpx.comm_vs_theory([r for r in recs if r["tag"].startswith(kind)], theory)
         assert all(r["match"] for r in table), table
     fwd_gathers = [r for r in recs if r["tag"] == "column-column/fwd" and r["op"] == "all_gather"]
     assert len(fwd_gathers) == 2
@@ -227,7 +247,7 @@ def test_sequence_parallel_activation_memory(checked):
     # per layer, labkit.theory.memory's item-by-item prediction (exact at tp=2; at tp=4 one head per rank makes the
     # wo input a view of the attention output, which labkit.theory.memory counts as a copy: 2.5 % here)
     # Every variant has a prediction, "TP+SP, no re-gather" included (it stores the gathered linear inputs).
-    rows = tp.activation_vs_theory(checked["activations"], checked["spec"], checked["batch_size"], checked["seq_len"])
+    rows = ch.activation_vs_theory(checked["activations"], checked["spec"], checked["batch_size"], checked["seq_len"])
     assert {r["variant"] for r in rows} == {"tp=1 (unsharded)", "TP", "TP+SP", "TP+SP, no re-gather"}
     for r in rows:
         assert r["per_layer_predicted"] is not None and r["total_predicted"] is not None, r
@@ -317,13 +337,13 @@ def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
 
 def test_step_time_findings_follow_the_numbers():
     # the tester's CPU run: hand TP 3x slower than tp=1 -> no "about as much" claim
-    slow = tp.step_time_findings({"tp1": [0.010, 0.011, 0.012], "hand": [0.030, 0.031, 0.032]}, 2)
+    slow = ch.step_time_findings({"tp1": [0.010, 0.011, 0.012], "hand": [0.030, 0.031, 0.032]}, 2)
     assert "hand 31.0 ms (0.35x)" in slow and "cost more than the arithmetic it split" in slow
     assert "faster" not in slow and "about as fast" not in slow
-    fast = tp.step_time_findings({"tp1": [0.020], "hand": [0.010], "hand_sp": [0.0195]}, 2)
+    fast = ch.step_time_findings({"tp1": [0.020], "hand": [0.010], "hand_sp": [0.0195]}, 2)
     assert "hand ran faster than one rank" in fast and "hand_sp ran about as fast" in fast
     assert "slower" not in fast
     with pytest.raises(ValueError, match="expected a 'tp1' entry"):
-        tp.step_time_findings({"hand": [0.1]}, 2)
+        ch.step_time_findings({"hand": [0.1]}, 2)
     with pytest.raises(ValueError, match=r"no measured steps for \['hand'\]"):
-        tp.step_time_findings({"tp1": [0.1], "hand": []}, 2)
+        ch.step_time_findings({"tp1": [0.1], "hand": []}, 2)

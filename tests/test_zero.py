@@ -292,7 +292,9 @@ MY_MODULES = ["labkit.parallel.data", "labkit.parallel.data.naive", "labkit.para
               "labkit.experiments.data", "labkit.experiments.zero", "labkit.chapters.ch03_data_parallel",
               "labkit.chapters.ch04_zero_fsdp", "labkit.runtime.training", "labkit.experiments.common",
               "labkit.chapters.common",
-              "labkit.parallel.tensor",
+              "labkit.parallel.tensor.primitives", "labkit.parallel.tensor.layers", "labkit.parallel.tensor.blocks",
+              "labkit.parallel.tensor.model", "labkit.parallel.tensor.dtensor", "labkit.theory.tensor",
+              "labkit.experiments.tensor", "labkit.chapters.ch05_tensor_parallel",
               "labkit.parallel.pipeline", "labkit.parallel.composed", "labkit.theory.simulate"]
 
 

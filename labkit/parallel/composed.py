@@ -4,7 +4,8 @@ against the single-process reference.
 Three compositions on a 2-D ``DeviceMesh``; two with torch's own ("production") APIs, one from the lab's
 hand-written strategy modules:
 
-* ``dp_tp`` — tensor parallelism inside each TP group with ``parallelize_module`` (Megatron's split:
+* ``dp_tp`` — tensor parallelism inside each TP group with ``parallelize_module``
+  (:func:`labkit.parallel.tensor.apply_dtensor_tp`; Megatron's split:
   ``wq``/``wk``/``wv`` and ``w_gate``/``w_up`` column-parallel, ``wo`` and ``w_down`` row-parallel, one
   all-reduce after attention and one after the MLP in forward; Shoeybi et al. 2019, Sec. 3; the embedding
   split by vocabulary rows, the output head by vocabulary columns with the logits gathered; norms
@@ -45,6 +46,7 @@ import torch.nn as nn
 from labkit.checks import check_choice, check_divides, divisors, positive_float, positive_int
 from labkit.models import SyntheticLM, Transformer, build_model, lm_loss, make_optimizer, train_reference
 from labkit.parallel.mesh import device_mesh
+from labkit.parallel.tensor.dtensor import apply_dtensor_tp
 from labkit.runtime.measure import model_state_bytes
 from labkit.runtime.training import local_batch, train_steps
 from labkit.theory.mesh import MeshError, ParallelDims, Violation
@@ -56,10 +58,6 @@ ZERO_OF = {"dp_tp": 3, "dp_tp_hand": 0, "pp_dp": 3}
 #: the default runs of a 4-rank launch: DP x TP = 2 x 2 (torch-native and hand-written) and PP x DP = 2 x 2
 DEFAULT_RUNS = ({"kind": "dp_tp", "dp": 2, "tp": 2}, {"kind": "dp_tp_hand", "dp": 2, "tp": 2},
                 {"kind": "pp_dp", "pp": 2, "dp": 2})
-#: Megatron's TP split of a Llama-style block (labkit.models attribute names)
-TP_PLAN = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
-           "mlp.w_gate": "colwise", "mlp.w_up": "colwise", "mlp.w_down": "rowwise",
-           "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise"}
 
 
 def run_dims(run: dict, world_size: int) -> ParallelDims:
@@ -175,22 +173,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
-def _apply_tp(model: Transformer, tp_mesh) -> None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for block in model.layers:
-        names = {n for n, _ in block.named_modules()}
-        plan = {k: styles[v]() for k, v in TP_PLAN.items() if k in names}
-        parallelize_module(block, tp_mesh, plan)
-    # vocabulary-parallel embedding (rows; partial lookups all-reduced) and output head (columns; logits gathered)
-    top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
-    if model.lm_head is not None:
-        top["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    parallelize_module(model, tp_mesh, top)
-
-
 def _mesh_groups(mesh, dims: ParallelDims, rank: int) -> dict:
     """{dim: (ranks of torch's group, ranks of ParallelDims' group)} for every mesh dimension."""
     out = {}
@@ -207,7 +189,8 @@ def _dp_tp(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr, seed
     # the gathered logits are a view; lm_loss never writes to them in place, so FSDP's warning does not apply
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model = build_model(spec, seed, device=ctx.device)
-    _apply_tp(model, mesh["tp"])
+    # Megatron's split with torch's parallelize_module, the logits gathered for lm_loss
+    apply_dtensor_tp(model, mesh["tp"], gather_logits=True)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -438,7 +421,7 @@ def compare(per_rank: list[list[dict]], spec: ModelSpec | str = "lab-tiny-llama"
             g, w = got[what], want[what]
             # Adam divides each gradient by its running RMS: where a gradient is near eps, a rounding-level
             # difference can move that element's update by up to lr, so weights get 0.1 * lr per step on top
-            # (the convention of labkit.parallel.tensor's parity checks); losses and gradients get fp32's own.
+            # (the convention of labkit.experiments.tensor's parity checks); losses and gradients get fp32's own.
             t = dict(tol, atol=tol["atol"] + 0.1 * ref["lr"] * ref["steps"]) if what == "params" else tol
             ok, err = set(g) == set(w), ""
             abs_d = rel_d = 0.0

@@ -30,7 +30,7 @@ def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> int:
     * tp divides n_kv_heads: the heads are split, n_kv_heads/tp per rank;
     * n_kv_heads < tp and n_kv_heads divides tp: each rank keeps the one kv head its n_heads/tp query heads
       use, replicated on tp/n_kv_heads ranks (Megatron-LM's GQA with tp > num_query_groups; vLLM's
-      ``QKVParallelLinear``; labkit.parallel.tensor ``kv_plan`` "replicate").
+      ``QKVParallelLinear``; labkit.theory.tensor ``kv_plan`` "replicate").
 
     Raises ValueError when tp does not divide n_heads, or neither divides the other (n_kv_heads, tp), naming
     the valid tp.
