@@ -25,9 +25,11 @@ import time
 
 import pandas as pd
 
-from labkit import collectives as col
 from labkit import launch
+from labkit.checks import positive_int
 from labkit.cli import run_main
+from labkit.experiments import collectives as col
+from labkit.theory.collectives import parse_ops, plan, size_range
 
 GOAL = 0.95
 
@@ -38,6 +40,8 @@ def bare_rank(ctx, op, count, warmup, repeats):
     import torch
     import torch.distributed as dist
 
+    from labkit.parallel.comm import all_gather_tensor, reduce_scatter_tensor
+
     n = ctx.world_size
     x = torch.ones(count // n if op == "all_gather" else count, device=ctx.device)
     out = torch.empty(count // n if op == "reduce_scatter" else count, device=ctx.device)
@@ -46,9 +50,9 @@ def bare_rank(ctx, op, count, warmup, repeats):
         if op == "all_reduce":
             dist.all_reduce(x)
         elif op == "all_gather":
-            col._all_gather(out, x)  # all_gather_single, or all_gather_into_tensor on older torch
+            all_gather_tensor(out, x)  # all_gather_single, or all_gather_into_tensor on older torch
         elif op == "reduce_scatter":
-            col._reduce_scatter(out, x)
+            reduce_scatter_tensor(out, x)
         elif op == "broadcast":
             dist.broadcast(x, 0)
         else:
@@ -116,12 +120,12 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto")
     args = ap.parse_args(argv)
     try:
-        ops = col.parse_ops(args.ops)
+        ops = parse_ops(args.ops)
         if "send_recv" in ops:
             raise ValueError("op='send_recv' has no bare loop here; choose from the other ops")
-        cases = col.plan(ops, col.size_range(args.min_size, args.max_size, 4), args.world_size, align=True)
-        warmup = col.positive_int("warmup", args.warmup, minimum=0)
-        repeats = col.positive_int("repeats", args.repeats)
+        cases = plan(ops, size_range(args.min_size, args.max_size, 4), args.world_size, align=True)
+        warmup = positive_int("warmup", args.warmup, minimum=0)
+        repeats = positive_int("repeats", args.repeats)
     except ValueError as e:
         print(f"collectives_overhead: error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from labkit import collectives as col
+from labkit.experiments import collectives as col
 from labkit.runtime import records
 
 

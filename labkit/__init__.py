@@ -5,7 +5,7 @@ Two kinds of modules (see DESIGN.md):
 * predict — pure Python, no torch import: ``labkit.theory.spec``, ``labkit.theory.memory``, ``labkit.theory.costmodel``,
   ``labkit.theory.simulate``, ``labkit.theory.mesh``, ``labkit.theory.planner``, ``labkit.runtime.timeline``.
 * run / measure — ``labkit.launch`` (the only way to start ranks), ``labkit.runtime.rank``, ``labkit.runtime.records``,
-  ``labkit.models``, ``labkit.runtime.measure``, ``labkit.collectives``, ``labkit.parallel``.
+  ``labkit.models``, ``labkit.runtime.measure``, ``labkit.experiments``, ``labkit.parallel``.
 
 ``from labkit import launch`` is resolved lazily so that importing a predict module never imports torch.
 """

@@ -209,7 +209,7 @@ def timeline_figure(df: pd.DataFrame, *, color_by: str = "kind", title: str = "P
 
 
 # ======================================================================================================
-# Serving (chapter 10) and scaling (chapter 11) — labkit.serving / labkit.scaling tables
+# Serving (chapter 10) and scaling (chapter 11) — labkit.serving / labkit.experiments.scaling tables
 # ======================================================================================================
 def _subplots(rows: int, cols: int, titles):
     from plotly.subplots import make_subplots
@@ -298,8 +298,8 @@ def deployments_figure(pred: pd.DataFrame, title: str | None = None) -> go.Figur
 
 
 def scaling_figure(df: pd.DataFrame, reference: pd.DataFrame | None = None, title: str | None = None) -> go.Figure:
-    """Speedup (left) and efficiency (right) vs world size from :func:`labkit.scaling.efficiency`: one colour
-    per (experiment, mode), *measured* lines with markers; ideal n/n0 (*predicted*, grey dashed) and the
+    """Speedup (left) and efficiency (right) vs world size from :func:`labkit.experiments.scaling.efficiency`:
+    one colour per (experiment, mode), *measured* lines with markers; ideal n/n0 (*predicted*, grey dashed) and the
     cores-limited ideal (*predicted*, dotted); rows of ``reference`` (recorded GPU series) dashed and
     labelled *recorded elsewhere* with their GPU."""
     fig = _subplots(1, 2, ("speedup = throughput(n) / throughput(n0)", "efficiency = speedup / (n / n0)"))

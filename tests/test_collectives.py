@@ -1,4 +1,5 @@
-"""labkit.collectives and `labkit bench collectives`.
+"""Collectives (labkit.theory.collectives, labkit.experiments.collectives / collective_patterns, chapter 02's
+labkit.chapters.ch02_collectives) and `labkit bench collectives`.
 
 Pure checks first (no launch); then one launch at world size 2 and one at 4 that run every labkit rank
 function of the chapter and check many values each; one CLI launch; slow: the chapter under papermill and
@@ -17,8 +18,13 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import collectives as col
+from labkit.chapters import ch02_collectives as ch
 from labkit.cli import main as cli_main
+from labkit.experiments import collective_patterns as pat
+from labkit.experiments import collectives as col
+from labkit.runtime.probes import socket_bytes_written
+from labkit.theory import collectives as tc
+from labkit.theory import costmodel as cm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,33 +35,33 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("text, value", [("1024", 1024), (4096, 4096), ("4K", 4096), ("64M", 64 << 20),
                                          ("1G", 1 << 30), ("2KiB", 2048), (" 8 mb ", 8 << 20)])
 def test_parse_size(text, value):
-    assert col.parse_size(text) == value
+    assert tc.parse_size(text) == value
 
 
 @pytest.mark.parametrize("text, match", [("0", r"size='0'|size=0"), ("-4K", "is not a size"),
                                          ("4T", "is not a size"), ("abc", "is not a size"), (0, "size=0")])
 def test_parse_size_rejects(text, match):
     with pytest.raises(ValueError, match=match):
-        col.parse_size(text)
+        tc.parse_size(text)
 
 
 def test_format_size_and_range():
-    assert [col.format_size(s) for s in (1024, 4 << 20, 1 << 30, 1000)] == ["1K", "4M", "1G", "1000"]
-    assert col.size_range("1K", "64K", 4) == [1024, 4096, 16384, 65536]
-    assert col.size_range("1K", "1K") == [1024]
+    assert [tc.format_size(s) for s in (1024, 4 << 20, 1 << 30, 1000)] == ["1K", "4M", "1G", "1000"]
+    assert tc.size_range("1K", "64K", 4) == [1024, 4096, 16384, 65536]
+    assert tc.size_range("1K", "1K") == [1024]
     with pytest.raises(ValueError, match="min_size=4096 is larger than max_size=1024"):
-        col.size_range("4K", "1K")
+        tc.size_range("4K", "1K")
     with pytest.raises(ValueError, match="factor=1 must be an integer >= 2"):
-        col.size_range("1K", "4K", 1)
+        tc.size_range("1K", "4K", 1)
 
 
 def test_parse_ops():
-    assert col.parse_ops("all") == list(col.OPS)
-    assert col.parse_ops("all_reduce, all_gather") == ["all_reduce", "all_gather"]
+    assert tc.parse_ops("all") == list(cm.OPS)
+    assert tc.parse_ops("all_reduce, all_gather") == ["all_reduce", "all_gather"]
     with pytest.raises(ValueError, match=r"op='allreduce' is not valid; choose one of: all_reduce"):
-        col.parse_ops("allreduce")
+        tc.parse_ops("allreduce")
     with pytest.raises(ValueError, match="is empty"):
-        col.parse_ops("")
+        tc.parse_ops("")
 
 
 @pytest.mark.parametrize("op, nbytes, n, dtype, match", [
@@ -72,19 +78,33 @@ def test_parse_ops():
 ])
 def test_check_size_rejects(op, nbytes, n, dtype, match):
     with pytest.raises(ValueError, match=match):
-        col.check_size(op, nbytes, n, dtype)
+        tc.check_size(op, nbytes, n, dtype)
 
 
 def test_plan_aligns_generated_sizes_and_rejects_typed_ones():
-    cases = col.plan(["all_reduce", "all_gather"], [1024, 4096], 3, align=True)
+    cases = tc.plan(["all_reduce", "all_gather"], [1024, 4096], 3, align=True)
     assert ("all_reduce", 1024, 256) in cases
     assert ("all_gather", 1020, 255) in cases  # rounded down to a multiple of 3 elements, as nccl-tests does
     assert all(op != "all_gather" or count % 3 == 0 for op, _, count in cases)
     with pytest.raises(ValueError, match="not divisible by 3"):
-        col.plan(["all_gather"], [1024], 3)
+        tc.plan(["all_gather"], [1024], 3)
     with pytest.raises(ValueError, match="sizes is empty"):
-        col.plan(["all_reduce"], [], 2)
-    assert col.align_size("all_to_all", 10, 4) == 16  # at least one valid size
+        tc.plan(["all_reduce"], [], 2)
+    assert tc.align_size("all_to_all", 10, 4) == 16  # at least one valid size
+
+
+def test_theory_is_pure_and_gives_the_ring_bytes():
+    code = ("import sys, labkit.theory.collectives as t; "
+            "print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    ring = tc.ar_vs_rs_ag_bytes(1024, 4)
+    assert ring == {"all_reduce": 1536.0, "reduce_scatter + all_gather": 1536.0, "reduce_scatter": 768.0,
+                    "all_gather": 768.0}
+    assert ring["all_reduce"] == cm.bus_factor("all_reduce", 4) * 1024  # the sweep's busbw factor, in bytes
+    rep = tc.repartition_bytes_per_rank(8 << 20, 8)
+    assert rep["reduce_scatter"] / rep["all_to_all"] == 8  # n times fewer bytes: 8x at TP8
 
 
 CHAPTER = dict(world_size=2, ops="all", min_size="1K", max_size="4M", factor=8, warmup=2, repeats=5,
@@ -92,8 +112,8 @@ CHAPTER = dict(world_size=2, ops="all", min_size="1K", max_size="4M", factor=8, 
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"world_size": 1}, r"chapter 02 needs world_size >= 2: a collective moves data between ranks.*got "
-                        r"world_size=1"),
+    ({"world_size": 1}, r"chapter 02 needs world_size >= 2, got world_size=1: a collective moves data between "
+                        r"ranks"),
     ({"min_size": "1K", "max_size": "1K"}, r"give all_reduce only 1 size .*the alpha-beta fit needs at least 2: "
                                            r"raise max_size to at least 8K"),
     ({"min_size": "1K", "max_size": "4K"}, r"only 1 size"),  # 1K * 8 > 4K: one size again
@@ -111,21 +131,21 @@ CHAPTER = dict(world_size=2, ops="all", min_size="1K", max_size="4M", factor=8, 
 ])
 def test_check_chapter_rejects_before_launch(change, match):
     with pytest.raises(ValueError, match=match):
-        col.check_chapter(**{**CHAPTER, **change})
+        ch.check_chapter(**{**CHAPTER, **change})
 
 
 def test_check_chapter_rounds_the_experiment_sizes_and_says_so():
-    ok = col.check_chapter(**CHAPTER)
+    ok = ch.check_chapter(**CHAPTER)
     assert (ok["ar_size"], ok["repartition_size"], ok["overlap_size"]) == (1 << 20, 4 << 20, 1 << 20)
     assert ok["notes"] == [] and ok["sweep_sizes"]["all_reduce"] == [1024, 8192, 65536, 524288, 4194304]
-    three = col.check_chapter(**{**CHAPTER, "world_size": 3})
+    three = ch.check_chapter(**{**CHAPTER, "world_size": 3})
     assert three["ar_size"] == 1048572 and three["ar_size"] % 12 == 0  # 3 float32 chunks
     assert three["repartition_size"] == 4194288 and three["repartition_size"] % 36 == 0  # 3 shards of 3
     assert len(three["notes"]) == 2 and "ar_size='1M' (1048576 bytes) rounded down to 1048572" in three["notes"][0]
     assert three["sweep_sizes"]["all_gather"][0] == 1020
     # what the launch will be given is accepted by the experiments
-    assert col._ar_prepare(3, three["ar_size"])["nbytes"] == three["ar_size"]
-    assert col._repartition_prepare(3, three["repartition_size"])["nbytes"] == three["repartition_size"]
+    assert pat._ar_prepare(3, three["ar_size"])["nbytes"] == three["ar_size"]
+    assert pat._repartition_prepare(3, three["repartition_size"])["nbytes"] == three["repartition_size"]
 
 
 def test_fit_table_of_nothing_still_has_its_columns():
@@ -145,32 +165,32 @@ def _overlap_summary(comp_ms, comm_ms, exposed_ov_ms):
 
 
 def test_overlap_verdict_follows_the_numbers():
-    hid = col.overlap_verdict(_overlap_summary(30, 10, 0.2), world_size=2, cores=2)
+    hid = ch.overlap_verdict(_overlap_summary(30, 10, 0.2), world_size=2, cores=2)
     assert hid["hides"] and hid["compute_covers_comm"] and hid["hidden_fraction"] == pytest.approx(0.98)
     assert hid["predicted_max_hidden_fraction"] == 1.0
     assert hid["conclusion"].startswith("In this run overlap hid communication") and "98% hidden" in hid["conclusion"]
-    short = col.overlap_verdict(_overlap_summary(3, 10, 9), world_size=2, cores=2)
+    short = ch.overlap_verdict(_overlap_summary(3, 10, 9), world_size=2, cores=2)
     assert not short["hides"] and not short["compute_covers_comm"]
     assert short["predicted_max_hidden_fraction"] == pytest.approx(0.3)
     assert "less compute than communication" in short["conclusion"] and "at most 30% can hide" in short["conclusion"]
-    worse = col.overlap_verdict(_overlap_summary(30, 10, 16), world_size=2, cores=2)  # exposes more than serialised
+    worse = ch.overlap_verdict(_overlap_summary(30, 10, 16), world_size=2, cores=2)  # exposes more than serialised
     assert not worse["hides"] and worse["hidden_fraction"] == pytest.approx(-0.6)
     assert "did NOT hide" in worse["conclusion"] and "-60% hidden" in worse["conclusion"]
     little = _overlap_summary(30, 10, 9)  # 10% hidden: too little with a core per rank ...
-    assert not col.overlap_verdict(little, world_size=2, cores=2)["hides"]
-    crowded = col.overlap_verdict(little, world_size=4, cores=2)  # ... but more than nothing with 2 ranks a core
+    assert not ch.overlap_verdict(little, world_size=2, cores=2)["hides"]
+    crowded = ch.overlap_verdict(little, world_size=4, cores=2)  # ... but more than nothing with 2 ranks a core
     assert crowded["oversubscribed"] and crowded["hides"] and crowded["required_hidden_fraction"] == 0.0
     assert not crowded["checked"]  # oversubscribed: a run may hide nothing, so the chapter asserts nothing
     assert hid["checked"] and worse["checked"] and not short["checked"]  # a core per rank and enough compute
     assert "4 ranks share 2 cores" in crowded["conclusion"] and "likely reason less hid" in crowded["conclusion"]
     # oversubscribed but 98% hidden: no claim that the shared cores hid less (the tester's world_size=3 run)
-    crowded_ok = col.overlap_verdict(_overlap_summary(30, 10, 0.2), world_size=3, cores=2)
+    crowded_ok = ch.overlap_verdict(_overlap_summary(30, 10, 0.2), world_size=3, cores=2)
     assert crowded_ok["oversubscribed"] and "98% hidden" in crowded_ok["conclusion"]
     assert "less can hide" not in crowded_ok["conclusion"] and "likely reason" not in crowded_ok["conclusion"]
     assert "did not keep the overlap from hiding" in crowded_ok["conclusion"]
-    assert not col.overlap_verdict(little, world_size=4, backend="nccl", cores=2)["oversubscribed"]
+    assert not ch.overlap_verdict(little, world_size=4, backend="nccl", cores=2)["oversubscribed"]
     with pytest.raises(ValueError, match="expected serialised and overlapped"):
-        col.overlap_verdict(_overlap_summary(1, 1, 1).iloc[:1], world_size=2)
+        ch.overlap_verdict(_overlap_summary(1, 1, 1).iloc[:1], world_size=2)
 
 
 def test_reference_dir_is_documented():
@@ -198,7 +218,7 @@ def _simulate(op, inputs, n):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("op", col.OPS)
+@pytest.mark.parametrize("op", cm.OPS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_expected_output_matches_simulation(op, n, dtype):
     count = 24
@@ -300,7 +320,7 @@ def test_reference_absent_is_labelled_and_roundtrips(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------
-# real runs: one launch per world size runs every experiment of the chapter (labkit.collectives.measure)
+# real runs: one launch per world size runs every experiment of the chapter (experiments.collectives.measure)
 # ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=[2, 4])
 def everything(request):
@@ -320,11 +340,11 @@ def test_every_collective_returns_the_right_values(everything):
     for timing in ("synchronised", "unsynchronised"):
         rows = df[df["timing"] == timing]
         assert sorted(zip(rows["op"], rows["bytes"], strict=True)) == sorted(
-            (op, s) for op in col.OPS for s in (4 * n, 4096 * n))
+            (op, s) for op in cm.OPS for s in (4 * n, 4096 * n))
     assert (df["wrong"] == 0).all(), df[df["wrong"] != 0]  # every op's values checked on every rank
     assert (df["backend"] == "gloo").all() and (df["world_size"] == n).all() and (df["repeats"] == 2).all()
     for r in df.itertuples():
-        assert r.bus_factor == pytest.approx(col.bus_factor(r.op, n))
+        assert r.bus_factor == pytest.approx(cm.bus_factor(r.op, n))
         assert r.busbw_gbps == pytest.approx(r.algbw_gbps * r.bus_factor)
         assert r.algbw_gbps == pytest.approx(r.bytes / r.time_s / 1e9)
         assert r.count * 4 == r.bytes
@@ -350,7 +370,7 @@ def test_repartition_moves_n_times_fewer_bytes_than_reduce_scatter(everything):
     m = 1024 * n * n
     assert rep.loc["all_to_all", "predicted_bytes_per_rank"] == (n - 1) / n * m / n
     assert rep.loc["reduce_scatter", "predicted_bytes_per_rank"] == (n - 1) / n * m
-    if col.socket_bytes_written() is None:
+    if socket_bytes_written() is None:
         pytest.skip("no /proc/self/io on this platform")
     a2a, rs = rep["measured_bytes_per_rank"]["all_to_all"], rep["measured_bytes_per_rank"]["reduce_scatter"]
     # all-to-all of the M/n shard: each rank sends (n-1)/n * M/n, plus a few headers
@@ -457,13 +477,13 @@ def test_cli_json_rows_all_ops_bfloat16(capsys):
                    "--repeats", "2", "--json"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["op"], r["bytes"]) for r in rows] == [(op, s) for op in col.OPS for s in (1024, 4096, 16384)]
+    assert [(r["op"], r["bytes"]) for r in rows] == [(op, s) for op in cm.OPS for s in (1024, 4096, 16384)]
     for r in rows:
         assert {"op", "world_size", "bytes", "time_s", "algbw_gbps", "busbw_gbps"} <= set(r)
         assert r["world_size"] == 2 and r["dtype"] == "bfloat16" and r["count"] == r["bytes"] // 2
         assert r["wrong"] == 0, r  # bfloat16 values checked for every op
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
-        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * col.bus_factor(r["op"], 2))
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * cm.bus_factor(r["op"], 2))
 
 
 # ------------------------------------------------------------------------------------------------------

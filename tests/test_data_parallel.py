@@ -134,7 +134,7 @@ def test_socket_bytes_are_measured_not_modelled(launched):
     """The bytes gloo actually wrote to its sockets (/proc/self/io, over the timed steps) sit beside the ring
     model, in their own column: a real measurement, at least the ring's bytes (gloo's CPU all-reduce is a
     ring) plus headers, and not the model itself (a value folded from the model would be exactly equal)."""
-    from labkit.collectives import socket_bytes_written
+    from labkit.runtime.probes import socket_bytes_written
 
     n, res = launched
     if socket_bytes_written() is None:

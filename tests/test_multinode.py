@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import scaling
+from labkit.experiments import scaling
 from labkit.runtime.launcher import load_results
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,8 +65,9 @@ def test_two_nodes_on_loopback_results_and_clock_alignment(tmp_path):
             env["LABKIT_TEST_CLOCK_SKEW_NS"] = str(SKEW_NS)
         log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
         logs.append(log)
-        procs.append(subprocess.Popen(["bash", str(SLURM / "node.sh"), str(out), "labkit.scaling:torchrun_point",
-                                       json.dumps(kwargs)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+        procs.append(subprocess.Popen(["bash", str(SLURM / "node.sh"), str(out),
+                                       "labkit.experiments.scaling:torchrun_point", json.dumps(kwargs)],
+                                      cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     sids = {p.pid for p in procs}
     deadline = time.monotonic() + HARD_TIMEOUT_S
@@ -145,4 +146,4 @@ def test_sbatch_submits_every_point_with_node_script(tmp_path):
     points = [(ln.split()[3], ln.split()[1]) for ln in lines]  # (--nodes N, ranks per node)
     assert points == [("1", "1"), ("1", "2"), ("1", "4"), ("1", "8"), ("2", "8")], lines
     assert [ln.split()[0] for ln in lines] == ["31001", "31002", "31003", "31004", "31005"]
-    assert all("examples/slurm/node.sh" in ln and "labkit.scaling:torchrun_point" in ln for ln in lines)
+    assert all("examples/slurm/node.sh" in ln and "labkit.experiments.scaling:torchrun_point" in ln for ln in lines)

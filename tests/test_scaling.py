@@ -8,8 +8,10 @@ import json
 import pandas as pd
 import pytest
 
-from labkit import scaling
+from labkit.chapters import ch11_scaling as ch
+from labkit.experiments import scaling
 from labkit.models import flops_per_token
+from labkit.theory import scaling as theory
 from labkit.theory.spec import get_spec
 
 
@@ -40,7 +42,7 @@ def test_strong_and_weak_efficiency_by_hand():
     assert b.loc[4, "speedup"] == pytest.approx(1.25) and b.loc[4, "efficiency"] == pytest.approx(0.625)
     with pytest.raises(ValueError, match=r"baseline_world_size=3 is not in the strong series; valid: 1, 2, 4"):
         scaling.efficiency(_frame("strong", [1.0, 0.625, 0.5]), baseline_world_size=3)
-    text = scaling.format_table(df)
+    text = ch.format_table(df)
     assert "T(1)=1.0000s / T(4)=0.5000s" in text and "baseline_world_size" in text
 
 
@@ -50,13 +52,30 @@ def test_mfu_and_cases():
     assert (df["mfu_denominator_flops"] == 1e10).all()
     with pytest.raises(ValueError, match="no 'flops' column"):
         scaling.with_mfu(_frame("strong", [1.0]), 1e10)
-    assert scaling.cases_for(4, strong_total=8, weak_per_rank=3) == [
+    assert theory.cases_for(4, strong_total=8, weak_per_rank=3) == [
         {"mode": "strong", "work_per_rank": 2, "total_work": 8},
         {"mode": "weak", "work_per_rank": 3, "total_work": 12}]
     with pytest.raises(ValueError, match=r"world_size=3 does not divide strong_total=8; valid world_size: 1, 2, 4, 8"):
-        scaling.cases_for(3, strong_total=8)
+        theory.cases_for(3, strong_total=8)
     with pytest.raises(ValueError, match="give strong_total"):
-        scaling.cases_for(2)
+        theory.cases_for(2)
+
+
+def test_predict_train_by_hand_and_pure():
+    spec = get_spec("lab-tiny-llama")
+    rows = theory.predict_train("lab-tiny-llama", (1, 4), seq_len=16, strong_total=8, weak_per_rank=2,
+                                peak_flops_per_rank=1e9, cores=2)
+    by = {(r["mode"], r["world_size"]): r for r in rows}
+    fpt = flops_per_token(spec, 16, training=True)
+    assert by[("strong", 4)]["tokens"] == 8 * 16 and by[("weak", 4)]["tokens"] == 2 * 4 * 16
+    assert by[("strong", 4)]["flops"] == pytest.approx(8 * 16 * fpt)
+    # 4 ranks on 2 cores take turns: a rank's 2 sequences at peak, stretched 2x
+    assert by[("strong", 4)]["compute_s_at_peak"] == pytest.approx(2 * 16 * fpt / 1e9 * 2)
+    assert by[("strong", 1)]["allreduce_bytes_per_rank"] == 0
+    assert by[("weak", 4)]["allreduce_bytes_per_rank"] == int(2 * 3 / 4 * spec.n_params() * 4)
+    assert {r["source"] for r in rows} == {"predicted"}
+    with pytest.raises(ValueError, match="world_size=3 does not divide strong_total=8"):
+        theory.predict_train(world_sizes=(3,), strong_total=8, peak_flops_per_rank=1e9, cores=2)
 
 
 def test_bad_input_before_any_launch():
@@ -130,6 +149,6 @@ def test_measured_peak_gives_an_mfu_denominator_no_rank_can_beat():
 def test_chapter_11_refuses_bad_parameters_before_any_launch(bad, match):
     ok = dict(world_size=4, model="lab-tiny-llama", seq_len=32, strong_total=8, weak_per_rank=4, matmul_size=512,
               repeats=5, threads_per_rank=1, backend="auto")
-    assert scaling.check_chapter(**ok) == [1, 2, 4]
+    assert ch.check_chapter(**ok) == [1, 2, 4]
     with pytest.raises(ValueError, match=match):
-        scaling.check_chapter(**{**ok, **bad})
+        ch.check_chapter(**{**ok, **bad})

@@ -194,7 +194,7 @@ def test_socket_bytes_measured_beside_the_ring_model(checked):
     reduce-scatter runs a whole all-reduce, and every message carries a header (TP's messages are small)."""
     import math
 
-    from labkit.collectives import socket_bytes_written
+    from labkit.runtime.probes import socket_bytes_written
 
     rows = {r["variant"]: r for r in ch.step_bytes_table(checked)}
     assert set(rows) == {"TP", "TP+SP", "TP+SP (no re-gather)"}

@@ -142,7 +142,7 @@ def test_socket_bytes_follow_gloos_algorithms(launched):
     """Measured socket bytes (gloo) sit beside the ring model and do NOT equal it for ZeRO: gloo's
     reduce-scatter runs a whole all-reduce (chapter 02), so the measurement follows the gloo model (within
     a few percent of headers), 1.5x the ring bytes for ZeRO-1/2."""
-    from labkit.collectives import socket_bytes_written
+    from labkit.runtime.probes import socket_bytes_written
 
     n, res = launched
     if socket_bytes_written() is None:

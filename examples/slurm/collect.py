@@ -1,5 +1,5 @@
 """Read back the scaling points that examples/slurm/scaling.sbatch (or any torchrun of
-``labkit.scaling:torchrun_point``) wrote, print the series with every speedup's baseline, and optionally
+``labkit.experiments.scaling:torchrun_point``) wrote, print the series with every speedup's baseline, and optionally
 record it as a reference series for chapter 11.
 
     python examples/slurm/collect.py runs/slurm-123/n1x1 runs/slurm-123/n1x8 runs/slurm-123/n2x8 \
@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from labkit import scaling
-from labkit.collectives import run_identity
+from labkit.chapters.ch11_scaling import format_table
+from labkit.experiments import scaling
+from labkit.runtime import records
 
 
 def main(argv=None) -> int:
@@ -27,9 +28,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"collect.py: {e}", file=sys.stderr)
         return 2
-    print(scaling.format_table(df))
+    print(format_table(df))
     if args.record:
-        ident = run_identity(str(df["backend"].iloc[0]), int(df["world_size"].max()))
+        ident = records.identity("scaling", world_size=int(df["world_size"].max()), backend=str(df["backend"].iloc[0]))
         ident["n_nodes"] = int(df["n_nodes"].max())
         ident["points"] = list(args.dirs)
         print(f"recorded: {scaling.write_reference(df, ident, args.record)}")

@@ -12,7 +12,7 @@
 #        PYTHON (default python3), NNODES, NODE_RANK, MASTER_ADDR (default from Slurm)
 set -euo pipefail
 OUT=${1:?usage: node.sh OUT_DIR [MODULE:FUNCTION] [KWARGS_JSON]}
-FUNCTION=${2:-labkit.scaling:torchrun_point}
+FUNCTION=${2:-labkit.experiments.scaling:torchrun_point}
 KWARGS=${3:-"{}"}
 PYTHON=${PYTHON:-python3}
 NNODES=${NNODES:-${SLURM_NTASKS:-1}}

@@ -58,11 +58,12 @@ def _collectives_run(args: argparse.Namespace) -> int:
     """Validate, sweep, print. Bad input raises ValueError before any rank starts; a failed or timed-out run
     raises :class:`labkit.LaunchError` and a closed stdout ``BrokenPipeError``: all are left to
     :mod:`labkit.cli`, which turns each into one line on stderr and exit status 2 (never caught here)."""
-    from labkit import collectives as col
     from labkit.checks import positive_float
+    from labkit.experiments import collectives as col
+    from labkit.theory.collectives import parse_size
 
     positive_float("timeout_s", args.timeout_s)
-    sizes = [col.parse_size(s, "sizes") for s in args.sizes.split(",")] if args.sizes else None
+    sizes = [parse_size(s, "sizes") for s in args.sizes.split(",")] if args.sizes else None
     df = col.sweep(args.ops, sizes, args.world_size, min_size=args.min_size, max_size=args.max_size,
                    factor=args.step_factor, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
                    iters=args.iters, backend=args.backend, timeout_s=args.timeout_s)

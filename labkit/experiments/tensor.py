@@ -304,9 +304,9 @@ def count_model_collectives(ctx, spec: ModelSpec, batch_size: int, seq_len: int,
     (``op``, ``nbytes``, ``bytes_per_rank``, ``tag``=``where/phase``...). Also adds them, and the
     ``{label} forward`` / ``{label} backward`` spans, to ``ctx.timeline``. With ``socket`` (a dict), stores
     ``socket["bytes"]``: the bytes this process wrote during the step, measured
-    (:func:`labkit.collectives.socket_bytes_written`; gloo's socket sends, None on CUDA or without
+    (:func:`labkit.runtime.probes.socket_bytes_written`; gloo's socket sends, None on CUDA or without
     /proc/self/io)."""
-    from labkit.collectives import socket_bytes_written
+    from labkit.runtime.probes import socket_bytes_written
 
     tpm = apply_tp(build_model(spec, seed, device=ctx.device), group, sequence_parallel=sequence_parallel,
                    pad_vocab=True, regather=regather)

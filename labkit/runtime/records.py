@@ -196,7 +196,7 @@ list = list_runs  # noqa: A001
 # ------------------------------------------------------------------------------------------------------
 def write_reference_doc(rows: list[dict], identity: dict, path: str | Path, fmt: str) -> Path:
     """Write ``{"format": fmt, "identity", "rows"}`` as JSON to ``path``, atomically (a temporary file
-    renamed). Used by labkit.collectives and labkit.scaling; returns the path."""
+    renamed). Used by labkit.experiments.collectives and labkit.experiments.scaling; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

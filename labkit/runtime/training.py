@@ -27,7 +27,7 @@ What a run reports about communication, and how each number was obtained:
   reduce-scatter (n-1)/n): what a bandwidth-optimal ring would send per rank for those calls. It equals a
   prediction whenever the code issued the predicted calls, so it checks the calls, not the wire;
 * ``socket_bytes_per_step`` — *measured (what left the process)*: the growth of ``wchar`` in /proc/self/io
-  over the timed steps (:func:`labkit.collectives.socket_bytes_written`): gloo's TCP sends, plus the few
+  over the timed steps (:func:`labkit.runtime.probes.socket_bytes_written`): gloo's TCP sends, plus the few
   bytes the rank writes otherwise. None where it cannot be read (NCCL, not Linux).
 
 How the timeline is recorded (so that :func:`labkit.runtime.timeline.exposed_ns` means what it says):
@@ -203,7 +203,7 @@ def train_steps(ctx, model, optimizer: torch.optim.Optimizer, data, *, steps: in
       ``payload_bytes_per_step`` — measured: sum of S over the timed steps / steps (what the code issued);
       ``ring_bytes_per_step`` — model: sum of S x ring factor (``bytes_per_rank``) / steps;
       ``socket_bytes_per_step`` — measured: bytes this process wrote during the timed steps / steps
-      (gloo's socket sends, :func:`labkit.collectives.socket_bytes_written`), None on CUDA or without
+      (gloo's socket sends, :func:`labkit.runtime.probes.socket_bytes_written`), None on CUDA or without
       /proc/self/io (module docstring);
       ``grads`` — this rank's gradients at the last step before the update, by parameter name (only for
       wrappers whose gradients are full tensors on ``grad_params``).

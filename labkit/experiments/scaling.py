@@ -25,7 +25,9 @@ each started after a barrier; a repeat lasts from the first rank's start to the 
 data parallel with torch DDP).
 
 Recorded GPU series live in ``data/reference/scaling/`` (:func:`load_reference`); nothing is shown when
-there is none — never an invented GPU number.
+there is none — never an invented GPU number. What is predicted before a run (the cases of a series, the
+training step's FLOPs and all-reduce bytes) is in :mod:`labkit.theory.scaling`; chapter 11's check and text
+table in :mod:`labkit.chapters.ch11_scaling`.
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from labkit.checks import check_choice, check_divides, positive_int
-from labkit.collectives import cpu_cores
+from labkit.checks import check_choice, positive_int
 from labkit.paths import data_dir
 from labkit.runtime import records
+from labkit.runtime.probes import cpu_cores
+from labkit.theory.scaling import cases_for
 
-MODES = ("strong", "weak")
 REFERENCE_FORMAT = "labkit.scaling/v1"
 NO_REFERENCE = ("no recorded GPU scaling series in data/reference/scaling/ - only this machine's numbers are "
                 "shown. Record one on a GPU cluster with examples/slurm/scaling.sbatch.")
@@ -80,7 +82,7 @@ def train_experiment(ctx, work: int, model: str = "lab-tiny-llama", seq_len: int
                      seed: int = 0):
     """One training step of the lab's model on ``work`` sequences of ``seq_len`` tokens per rank, data
     parallel with ``torch.nn.parallel.DistributedDataParallel`` (gradients all-reduced in buckets during
-    backward), AdamW. Counts: ``sequences``, ``tokens``, ``flops`` (tokens × :func:`labkit.models.
+    backward), AdamW. Counts: ``sequences``, ``tokens``, ``flops`` (tokens × :func:`labkit.theory.spec.
     flops_per_token`, training: PaLM Appendix B)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -131,33 +133,15 @@ def _experiment_name(experiment) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------
-# planning and the rank function
+# the rank function
 # ------------------------------------------------------------------------------------------------------
-def cases_for(world_size: int, *, strong_total: int | None = None, weak_per_rank: int | None = None) -> list[dict]:
-    """The runs at one world size: ``{"mode", "work_per_rank", "total_work"}`` for strong (``strong_total``
-    split evenly) and/or weak (``weak_per_rank`` each). Raises ValueError if world_size does not divide
-    strong_total (listing the world sizes that do) or neither mode is asked for."""
-    world_size = positive_int("world_size", world_size)
-    if strong_total is None and weak_per_rank is None:
-        raise ValueError("give strong_total (strong scaling), weak_per_rank (weak scaling) or both")
-    out = []
-    if strong_total is not None:
-        strong_total = positive_int("strong_total", strong_total)
-        check_divides("world_size", world_size, "strong_total", strong_total,
-                      hint="strong scaling splits the total work evenly over the ranks")
-        out.append({"mode": "strong", "work_per_rank": strong_total // world_size, "total_work": strong_total})
-    if weak_per_rank is not None:
-        weak_per_rank = positive_int("weak_per_rank", weak_per_rank)
-        out.append({"mode": "weak", "work_per_rank": weak_per_rank, "total_work": weak_per_rank * world_size})
-    return out
-
-
 def series_rank(ctx, jobs: Sequence[dict], warmup: int = 1, repeats: int = 3) -> dict:
-    """Rank function. ``jobs``: ``[{"experiment", "kwargs", "cases"}]`` (cases from :func:`cases_for`). For
-    each case: set the experiment up for ``work_per_rank`` units, run ``warmup`` untimed steps, then
-    ``repeats`` timed steps (barrier, clock, step, device sync, clock), each recorded on the timeline as
-    ``"<experiment> <mode>"``. A repeat lasts from the first rank's start to the last rank's end (on rank 0's
-    clock: each rank's clock offset is subtracted); counts are summed over ranks.
+    """Rank function. ``jobs``: ``[{"experiment", "kwargs", "cases"}]`` (cases from
+    :func:`labkit.theory.scaling.cases_for`). For each case: set the experiment up for ``work_per_rank``
+    units, run ``warmup`` untimed steps, then ``repeats`` timed steps (barrier, clock, step, device sync,
+    clock), each recorded on the timeline as ``"<experiment> <mode>"``. A repeat lasts from the first rank's
+    start to the last rank's end (on rank 0's clock: each rank's clock offset is subtracted); counts are
+    summed over ranks.
 
     Returns ``{"rows": [...], "rank", "node_rank", "clock_offset_ns", "threads"}``."""
     import torch
@@ -201,7 +185,7 @@ def series_rank(ctx, jobs: Sequence[dict], warmup: int = 1, repeats: int = 3) ->
 def torchrun_point(ctx, experiment: str = "train", strong_total: int | None = None,
                    weak_per_rank: int | None = None, warmup: int = 1, repeats: int = 3, **kwargs) -> dict:
     """The same measurement under ``torchrun`` (JSON keyword arguments; one world size per run: the one
-    torchrun started). ``torchrun ... -m labkit.runtime.worker labkit.scaling:torchrun_point --kwargs
+    torchrun started). ``torchrun ... -m labkit.runtime.worker labkit.experiments.scaling:torchrun_point --kwargs
     '{"experiment": "train", "strong_total": 16, "weak_per_rank": 4}' --out DIR``; read the runs back with
     :func:`from_torchrun`."""
     cases = cases_for(ctx.world_size, strong_total=strong_total, weak_per_rank=weak_per_rank)
@@ -231,38 +215,6 @@ def _jobs(experiments, kwargs: dict) -> list[dict]:
     for exp, _ in items:
         resolve_experiment(exp)
     return [{"experiment": exp, "kwargs": dict(kw or {})} for exp, kw in items]
-
-
-def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total: int, weak_per_rank: int,
-                  matmul_size: int, repeats: int, threads_per_rank: int, backend: str) -> list[int]:
-    """Validate chapter 11's parameters before anything is launched (the chapter's first code cell). Returns the
-    world sizes of the series: 1, 2, 4, ... up to ``world_size``.
-
-    Raises ValueError naming the value and the fix: world_size < 2 (a series needs two points) or not a power
-    of two, sizes < 1, ``strong_total`` not a multiple of world_size (every size of the series splits it),
-    an unknown model, a model this machine's memory cannot hold on world_size ranks, or a backend the machine
-    cannot run."""
-    from labkit.chapters.common import check_fits_in_memory, check_world_size
-    from labkit.runtime.launcher import resolve_backend
-    from labkit.theory.spec import get_spec
-
-    world_size = check_world_size("11", world_size, why="a scaling series needs at least two world sizes")
-    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world_size]
-    if sizes[-1] != world_size:
-        raise ValueError(f"chapter 11's series doubles the world size (1, 2, 4, ...): world_size={world_size} is not "
-                         f"in it; use {sizes[-1]} or {2 * sizes[-1]}")
-    for name, value in (("seq_len", seq_len), ("matmul_size", matmul_size), ("repeats", repeats),
-                        ("threads_per_rank", threads_per_rank)):
-        positive_int(name, value)
-    if positive_int("strong_total", strong_total) % world_size:
-        raise ValueError(f"strong_total={strong_total} must split evenly over every world size of the series "
-                         f"{sizes}, i.e. be a multiple of {world_size}: use {world_size}, {2 * world_size}, ...")
-    cases_for(world_size, strong_total=strong_total, weak_per_rank=weak_per_rank)  # every size divides world_size
-    spec = get_spec(model)
-    spec.check_seq_len(seq_len)
-    check_fits_in_memory(spec, max(sizes), copies=1, what="chapter 11's training series")
-    resolve_backend(backend, max(sizes))
-    return sizes
 
 
 def run(experiments="train", world_sizes: Sequence[int] = (1, 2, 4), *, strong_total: int | None = None,
@@ -340,39 +292,6 @@ def efficiency(df: pd.DataFrame, baseline_world_size: int | None = None) -> pd.D
     return pd.concat(out, ignore_index=True)
 
 
-def predict_train(model: str = "lab-tiny-llama", world_sizes: Sequence[int] = (1, 2, 4), *, seq_len: int = 32,
-                  strong_total: int | None = None, weak_per_rank: int | None = None, peak_flops_per_rank: float,
-                  cores: int | None = None, threads_per_rank: int = 1, bytes_per_param: int = 4) -> pd.DataFrame:
-    """*Predicted* work of :func:`train_experiment` per (mode, world size), before running it:
-
-    * ``flops`` — one step over every rank: tokens × :func:`labkit.models.flops_per_token` (training,
-      PaLM Appendix B);
-    * ``compute_s_at_peak`` — one rank's FLOPs at ``peak_flops_per_rank``, slowed by ``n·threads / cores``
-      when the ranks need more cores than there are (they take turns): a lower bound on the step time;
-    * ``allreduce_bytes_per_rank`` — what DDP's ring all-reduce of the gradients sends per rank per step,
-      ``2(n-1)/n × n_params × bytes_per_param`` (Patarasuk & Yuan 2009), 0 on one rank.
-
-    Raises ValueError as :func:`cases_for`, or for an unknown model."""
-    from labkit.models import flops_per_token
-    from labkit.theory.spec import get_spec
-
-    spec = get_spec(model)
-    cores = positive_int("cores", cores if cores is not None else cpu_cores())
-    threads_per_rank = positive_int("threads_per_rank", threads_per_rank)
-    fpt = flops_per_token(spec, seq_len, training=True)
-    rows = []
-    for n in world_sizes:
-        for case in cases_for(n, strong_total=strong_total, weak_per_rank=weak_per_rank):
-            per_rank = case["work_per_rank"] * seq_len * fpt
-            slow = max(1.0, n * threads_per_rank / cores)
-            rows.append({"mode": case["mode"], "world_size": n, "work_per_rank": case["work_per_rank"],
-                         "tokens": case["total_work"] * seq_len, "flops": case["total_work"] * seq_len * fpt,
-                         "compute_s_at_peak": per_rank / peak_flops_per_rank * slow,
-                         "allreduce_bytes_per_rank": int(2 * (n - 1) / n * spec.n_params() * bytes_per_param),
-                         "source": "predicted"})
-    return pd.DataFrame(rows)
-
-
 def measure_peak(n: int = 768, repeats: int = 10, tries: int = 3) -> dict:
     """The machine's measured dense float32 matmul peak (:func:`labkit.models.measure_matmul_peak`: best of
     ``repeats``; here also best of ``tries`` such calls, since a peak is what the machine can do when nothing
@@ -421,21 +340,11 @@ def with_mfu(df: pd.DataFrame, peak_flops: float, label: str = "machine peak (me
     return out
 
 
-def format_table(df: pd.DataFrame) -> str:
-    """A text table: each speedup and efficiency printed with its baseline and the ratio that makes it."""
-    cols = ["experiment", "mode", "world_size", "work_per_rank", "total_work", "time_s", "baseline_world_size",
-            "speedup", "speedup_formula", "efficiency", "efficiency_formula", "ideal_speedup", "ideal_speedup_on_cores"]
-    if "mfu" in df.columns:
-        cols += ["mfu", "mfu_denominator_flops"]
-    show = df[[c for c in cols if c in df.columns]].copy()
-    return show.to_string(index=False, float_format=lambda v: f"{v:.4g}")
-
-
 # ------------------------------------------------------------------------------------------------------
 # torchrun / Slurm runs and recorded series
 # ------------------------------------------------------------------------------------------------------
 def from_torchrun(out_dirs: Sequence[str | Path], baseline_world_size: int | None = None) -> pd.DataFrame:
-    """The series from the folders that ``torchrun ... labkit.scaling:torchrun_point --out DIR`` wrote (one
+    """The series from the folders that ``torchrun ... labkit.experiments.scaling:torchrun_point --out DIR`` wrote (one
     per world size), as :func:`run` returns it (with ``n_nodes``). Raises ValueError for a folder without a
     complete run (:func:`labkit.runtime.launcher.load_results`)."""
     from labkit.runtime.launcher import load_results
@@ -456,7 +365,7 @@ def reference_dir() -> Path:
 def write_reference(df: pd.DataFrame, identity: dict, path: str | Path) -> Path:
     """Write a measured GPU series as a recorded reference (``{"format", "identity", "rows"}``, format
     :data:`REFERENCE_FORMAT`), atomically. ``identity`` should name the GPUs, nodes, torch/NCCL versions and
-    the git sha (:func:`labkit.collectives.run_identity`)."""
+    the git sha (:func:`labkit.runtime.records.identity`)."""
     keep = [c for c in df.columns if c in ROW_FIELDS or c in ("tokens", "flops", "sequences", "matmuls", "n_nodes")]
     return records.write_reference_doc(df[keep].to_dict("records"), identity, path, REFERENCE_FORMAT)
 
