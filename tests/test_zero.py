@@ -285,7 +285,9 @@ def test_three_ranks_uneven_shards_and_the_users_batch():
 MY_MODULES = ["labkit.parallel.data", "labkit.parallel.zero", "labkit.runtime.training", "labkit.experiments.common",
               "labkit.chapters.common",
               "labkit.parallel.tensor",
-              "labkit.parallel.pipeline", "labkit.parallel.composed", "labkit.theory.simulate"]
+              "labkit.parallel.pipeline.stage", "labkit.parallel.pipeline.p2p", "labkit.parallel.pipeline.runner",
+              "labkit.parallel.pipeline.torch_native", "labkit.experiments.pipeline", "labkit.theory.pipeline",
+              "labkit.chapters.ch06_pipeline_parallel", "labkit.parallel.composed", "labkit.theory.simulate"]
 
 
 @pytest.mark.parametrize("module", MY_MODULES)
