@@ -1,4 +1,4 @@
-"""Hand-written 1F1B (labkit.parallel.pipeline) vs torch.distributed.pipelining's Schedule1F1B.
+"""Hand-written 1F1B (labkit.parallel.pipeline.runner) vs torch.distributed.pipelining's Schedule1F1B.
 
 Same model, same stage modules, same batches, same AdamW, in the SAME launch: the two implementations
 alternate for ``--rounds`` rounds so that load from other processes hits both alike. Step time = wall time
@@ -16,8 +16,8 @@ import argparse
 import statistics
 
 from labkit.cli import run_main
+from labkit.experiments import pipeline as pl
 from labkit.experiments.common import ratio_verdict
-from labkit.parallel import pipeline as pl
 from labkit.theory.spec import get_spec
 
 

@@ -252,7 +252,7 @@ def test_check_fits_in_memory(monkeypatch):
 # the chapters this engineer owns (03-06): parameters, validation first, exercises
 # ------------------------------------------------------------------------------------------------------
 CHAPTERS = {"03_data_parallel": "ch.check_chapter(", "04_zero_fsdp": "ch.check_chapter(",
-            "05_tensor_parallel": "ch.check_chapter(", "06_pipeline_parallel": "pl.check_chapter("}
+            "05_tensor_parallel": "ch.check_chapter(", "06_pipeline_parallel": "ch.check_chapter("}
 
 
 @pytest.mark.parametrize("name", sorted(CHAPTERS))

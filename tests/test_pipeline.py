@@ -1,6 +1,7 @@
-"""labkit.parallel.pipeline: argument checks (before any launch), stage modules, split backward, and gloo
-runs: parity with the single-process reference (p = 2 and 4), torch.distributed.pipelining beside ours,
-fixed-compute bubbles against the simulator, and every p2p handle waited on.
+"""Pipeline parallelism (labkit.parallel.pipeline, launched by labkit.experiments.pipeline): argument checks
+(before any launch), stage modules, split backward, and gloo runs: parity with the single-process reference
+(p = 2 and 4), torch.distributed.pipelining beside ours, fixed-compute bubbles against the simulator, and every
+p2p handle waited on.
 
 Parity tolerance (fp32): labkit.models.TOLERANCES[torch.float32] = rtol 1e-4, atol 1e-5 on gradients and
 losses after 2 AdamW steps (micro-batch accumulation order differs from the reference's by ~1e-7).
@@ -11,9 +12,12 @@ import torch
 import torch.distributed as dist
 
 from labkit import launch
+from labkit.chapters import ch06_pipeline_parallel as ch
+from labkit.experiments import pipeline as pl
 from labkit.models import TOLERANCES, build_model, lm_loss, train_reference
-from labkit.parallel import pipeline as pl
+from labkit.parallel.pipeline import P2P, WeightGradStore, build_stages, defer_weight_grads
 from labkit.theory import simulate as sim
+from labkit.theory.pipeline import check_job, stage_layer_counts
 from labkit.theory.simulate import OpCosts
 from labkit.theory.spec import get_spec
 
@@ -54,10 +58,10 @@ def test_layers_not_divisible(no_launch):
     with pytest.raises(ValueError, match=r"pp\*v=6 does not divide n_layers=4.*layers_per_stage"):
         pl.run_pipeline("interleaved", 3, 3, 2, compute="real", spec=spec, global_batch_size=6)
     with pytest.raises(ValueError, match="sums to 5"):
-        pl.check_job({"compute": "real", "spec": spec, "layers_per_stage": (3, 2)}, 2)
+        check_job({"compute": "real", "spec": spec, "layers_per_stage": (3, 2)}, 2)
     with pytest.raises(ValueError, match="2 entries but pp\\*v=4"):
-        pl.check_job({"schedule": "interleaved", "compute": "real", "spec": spec, "layers_per_stage": (3, 1)}, 2)
-    assert pl.check_job({"compute": "real", "spec": spec, "layers_per_stage": (3, 1)}, 2)["layers_per_stage"] == (3, 1)
+        check_job({"schedule": "interleaved", "compute": "real", "spec": spec, "layers_per_stage": (3, 1)}, 2)
+    assert check_job({"compute": "real", "spec": spec, "layers_per_stage": (3, 1)}, 2)["layers_per_stage"] == (3, 1)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -86,32 +90,32 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch(no_launch):
     """Chapter 06's parameters, all checked in its first cell (field case: global_batch_size=6 failed in cell
     12 after 16 s of fixed-compute runs)."""
     with pytest.raises(ValueError, match=r"chapter 06 needs world_size >= 2, got world_size=1"):
-        pl.check_chapter(world_size=1)
+        ch.check_chapter(world_size=1)
     with pytest.raises(ValueError, match=r"n_microbatches=4 does not divide global_batch_size=6.*"
                                          r"pass every rule with global_batch_size=6 on pp=2: 2, 6$"):
-        pl.check_chapter(world_size=2, global_batch_size=6)
+        ch.check_chapter(world_size=2, global_batch_size=6)
     with pytest.raises(ValueError, match=r"n_microbatches=3 does not suit every schedule.*multiple of pp=2.*: 2, 6$"):
-        pl.check_chapter(world_size=2, n_microbatches=3, global_batch_size=6)
+        ch.check_chapter(world_size=2, n_microbatches=3, global_batch_size=6)
     with pytest.raises(ValueError, match=r"n_microbatches=1 does not suit every schedule.*>= 2"):
-        pl.check_chapter(world_size=2, n_microbatches=1, global_batch_size=6)
+        ch.check_chapter(world_size=2, n_microbatches=1, global_batch_size=6)
     with pytest.raises(ValueError, match=r"no n_microbatches passes every rule.*global_batch_size=4"):
-        pl.check_chapter(world_size=2, global_batch_size=3)
+        ch.check_chapter(world_size=2, global_batch_size=3)
     with pytest.raises(ValueError, match=r"sweep\[1\]=0"):
-        pl.check_chapter(world_size=2, sweep=[1, 0])
+        ch.check_chapter(world_size=2, sweep=[1, 0])
     with pytest.raises(ValueError, match=r"sweep=\[\] is empty"):
-        pl.check_chapter(world_size=2, sweep=[])
+        ch.check_chapter(world_size=2, sweep=[])
     with pytest.raises(ValueError, match=r"op_ms=0"):
-        pl.check_chapter(world_size=2, op_ms=0)
+        ch.check_chapter(world_size=2, op_ms=0)
     with pytest.raises(ValueError, match=r"bubble_tol=1.5 must be below 1"):
-        pl.check_chapter(world_size=2, bubble_tol=1.5)
+        ch.check_chapter(world_size=2, bubble_tol=1.5)
     with pytest.raises(ValueError, match=r"mixture-of-experts"):
-        pl.check_chapter(world_size=2, spec_name="lab-tiny-moe")
+        ch.check_chapter(world_size=2, spec_name="lab-tiny-moe")
     with pytest.raises(ValueError, match=r"seq_len=4096 exceeds"):
-        pl.check_chapter(world_size=2, seq_len=4096)
-    plan = pl.check_chapter(world_size=3, sweep=[1, 2])
+        ch.check_chapter(world_size=2, seq_len=4096)
+    plan = ch.check_chapter(world_size=3, sweep=[1, 2])
     assert (plan["pp"], plan["n_microbatches"], plan["global_batch_size"]) == (3, 6, 12)
     assert plan["sweep_microbatches"] == [3, 6] and plan["spec"].n_layers == 6
-    assert pl.check_chapter(world_size=2, n_microbatches=8, global_batch_size=16)["sweep_microbatches"] == [2, 4, 8]
+    assert ch.check_chapter(world_size=2, n_microbatches=8, global_batch_size=16)["sweep_microbatches"] == [2, 4, 8]
 
 
 def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
@@ -145,8 +149,8 @@ def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
 
 
 def test_stage_layer_counts():
-    assert pl.stage_layer_counts(8, 4) == (2, 2, 2, 2)
-    assert pl.stage_layer_counts(8, 2, (5, 3)) == (5, 3)
+    assert stage_layer_counts(8, 4) == (2, 2, 2, 2)
+    assert stage_layer_counts(8, 2, (5, 3)) == (5, 3)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -156,7 +160,7 @@ def test_stage_layer_counts():
 def test_stages_compose_to_full_model(name):
     spec = get_spec(name)
     ref = build_model(spec, seed=3)
-    model, stages = pl.build_stages(spec, range(3), (2, 1, 1), seed=3)
+    model, stages = build_stages(spec, range(3), (2, 1, 1), seed=3)
     tokens = torch.randint(0, spec.vocab_size, (2, 12))
     x = tokens
     for s in range(3):
@@ -168,8 +172,8 @@ def test_stages_compose_to_full_model(name):
 def test_deferred_weight_grads_match_plain_backward():
     spec = get_spec("lab-tiny-gpt")  # biases too
     plain, deferred = build_model(spec, seed=1), build_model(spec, seed=1)
-    store = pl.WeightGradStore()
-    assert pl.defer_weight_grads(deferred, store) == 6 * spec.n_layers  # wq wk wv wo fc_in fc_out
+    store = WeightGradStore()
+    assert defer_weight_grads(deferred, store) == 6 * spec.n_layers  # wq wk wv wo fc_in fc_out
     tokens, targets = torch.randint(0, spec.vocab_size, (2, 2, 10))
     lm_loss(plain(tokens), targets).backward()
     store.key = (0, 0)
@@ -287,7 +291,7 @@ def _handles_rank(ctx):
             w.wait()
         ok &= all(float(r[0]) == 10 * rnd + i + peer for i, r in enumerate(recvs))
     # the runner's P2P refuses to finish with a handle not waited on
-    p2p = pl.P2P(ctx)
+    p2p = P2P(ctx)
     buf = torch.empty(8)
     work = p2p.irecv(buf, peer, tag=99)
     p2p.isend(torch.full((8,), float(ctx.rank)), peer, tag=99)
@@ -312,7 +316,7 @@ def test_every_handle_waited():
 def test_every_listed_microbatch_count_passes_check_chapter(no_launch, pp, gbs):
     """The tester's case: the error listed n_microbatches=1 and 3 for global_batch_size=6, which 1F1B and the
     interleaved schedule then refused. Every value listed must pass the whole check."""
-    valid = pl.chapter_microbatches(pp, gbs)
+    valid = ch.chapter_microbatches(pp, gbs)
     assert valid and all(m % pp == 0 and m >= pp for m in valid)
     for m in valid:
-        assert pl.check_chapter(world_size=pp, n_microbatches=m, global_batch_size=gbs)["n_microbatches"] == m
+        assert ch.check_chapter(world_size=pp, n_microbatches=m, global_batch_size=gbs)["n_microbatches"] == m

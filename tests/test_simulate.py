@@ -173,7 +173,7 @@ def test_sim_frame_has_timeline_columns():
 @pytest.mark.parametrize("name", sim.SCHEDULES)
 def test_order_matches_torch_pipelining(name):
     pytest.importorskip("torch.distributed.pipelining")
-    from labkit.parallel.pipeline import torch_pipeline_order
+    from labkit.parallel.pipeline.torch_native import torch_pipeline_order
 
     checked = 0
     for p in (2, 3, 4):

@@ -295,7 +295,9 @@ MY_MODULES = ["labkit.parallel.data", "labkit.parallel.data.naive", "labkit.para
               "labkit.parallel.tensor.primitives", "labkit.parallel.tensor.layers", "labkit.parallel.tensor.blocks",
               "labkit.parallel.tensor.model", "labkit.parallel.tensor.dtensor", "labkit.theory.tensor",
               "labkit.experiments.tensor", "labkit.chapters.ch05_tensor_parallel",
-              "labkit.parallel.pipeline", "labkit.parallel.composed", "labkit.theory.simulate"]
+              "labkit.parallel.pipeline.stage", "labkit.parallel.pipeline.p2p", "labkit.parallel.pipeline.runner",
+              "labkit.parallel.pipeline.torch_native", "labkit.experiments.pipeline", "labkit.theory.pipeline",
+              "labkit.chapters.ch06_pipeline_parallel", "labkit.parallel.composed", "labkit.theory.simulate"]
 
 
 @pytest.mark.parametrize("module", MY_MODULES)

@@ -22,7 +22,7 @@ hand-written strategy modules:
   ``fully_shard``-ed over its DP group (the pipelining runtime drives FSDP's gradient sync on the last
   micro-batch).
 
-The hand-written pipeline runner (labkit.parallel.pipeline) addresses stages by global rank, so PP x DP is
+The hand-written pipeline runner (labkit.parallel.pipeline.runner) addresses stages by global rank, so PP x DP is
 composed with torch's pipelining only.
 
 :func:`composed_rank` runs several compositions in one launch (a launch costs seconds on CPU); each rank also
@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from labkit.checks import check_choice, check_divides, divisors, positive_float, positive_int
+from labkit.checks import check_choice, divisors, positive_float, positive_int
 from labkit.models import SyntheticLM, Transformer, build_model, lm_loss, make_optimizer, train_reference
 from labkit.parallel.mesh import device_mesh
+from labkit.parallel.pipeline.stage import StageModule
 from labkit.parallel.tensor.dtensor import apply_dtensor_tp
 from labkit.runtime.measure import model_state_bytes
 from labkit.runtime.training import local_batch, train_steps
@@ -136,34 +136,6 @@ def check_chapter(*, world_size: int, model: str, steps: int, seq_len: int, n_mi
 # ------------------------------------------------------------------------------------------------------
 # inside a rank
 # ------------------------------------------------------------------------------------------------------
-class StageModule(nn.Module):
-    """Pipeline stage ``stage`` of ``pp``: the layers ``layer_ids`` of a :class:`~labkit.models.Transformer`
-    (kept under their full-model names ``layers.<i>``), plus the embedding on the first stage and the final
-    norm and output head on the last. Input: tokens [B, T] (first) or hidden [B, T, H]; output: hidden, or
-    logits [B, T, V] on the last stage. Reuses Transformer.embed_tokens / head, so the arithmetic is the
-    reference's."""
-
-    def __init__(self, model: Transformer, stage: int, pp: int):
-        super().__init__()
-        spec = model.spec
-        check_divides("pp", pp, "n_layers", spec.n_layers)
-        per = spec.n_layers // pp
-        self.spec = spec
-        self.first, self.last = stage == 0, stage == pp - 1
-        self.embed = model.embed if self.first else None
-        self.pos_embed = model.pos_embed if self.first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(stage * per, (stage + 1) * per)})
-        self.norm = model.norm if self.last else None
-        self.lm_head = model.lm_head if self.last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = Transformer.embed_tokens(self, x)
-        for layer in self.layers.values():
-            x = layer(x)
-        return Transformer.head(self, x) if self.last else x
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A full CPU copy of ``t`` (a DTensor is gathered: a collective every rank of its mesh must call)."""
     from torch.distributed.tensor import DTensor
@@ -259,7 +231,7 @@ def _pp_dp(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr, seed
     coords = dims.coords(ctx.rank)
     stage_idx = coords["pp"]
     model = build_model(spec, seed, device=ctx.device)
-    module = StageModule(model, stage_idx, dims.pp)
+    module = StageModule(model, stage_idx, dims.pp)  # labkit.parallel.pipeline's stage: an equal share of layers
     del model
     for layer in module.layers.values():
         fully_shard(layer, mesh=mesh["dp"])
@@ -276,22 +248,22 @@ def _pp_dp(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr, seed
         with ctx.timer("pp_dp step", "compute", step=step, stage=stage_idx):
             opt.zero_grad(set_to_none=True)
             mb_losses: list = []
-            if module.first:
+            if module.is_first:
                 schedule.step(tk)
             else:
                 schedule.step(target=tg, losses=mb_losses)
             opt.step()
         step_s.append(time.perf_counter() - t0)
-        if module.last:
+        if module.is_last:
             losses.append(torch.stack([x.detach() for x in mb_losses]).mean())
-    if module.last:  # the global mean loss per step, over the last stage's DP group
+    if module.is_last:  # the global mean loss per step, over the last stage's DP group
         lt = torch.stack(losses).double()
         dist.all_reduce(lt, group=mesh.get_group("dp"))
         losses = (lt / dims.dp).tolist()
     params = {n: _full(p) for n, p in module.named_parameters()}  # collectives over DP
     grads = {n: _full(p.grad) for n, p in module.named_parameters()}
     return _result(ctx, {"losses": losses, "step_s": step_s}, module, opt, params, grads, keep=coords["dp"] == 0,
-                   stage=stage_idx, losses=module.last)
+                   stage=stage_idx, losses=module.is_last)
 
 
 def composed_rank(ctx, runs=DEFAULT_RUNS, *, model: str | ModelSpec = "lab-tiny-llama", steps: int = 2,
