@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks import check_choice, divisors, positive_float, positive_int
-from labkit.models import SyntheticLM, Transformer, build_model, lm_loss, make_optimizer, train_reference
+from labkit.models import SyntheticLM, build_model, lm_loss, make_optimizer, train_reference
 from labkit.parallel.mesh import device_mesh
 from labkit.parallel.pipeline.stage import StageModule
 from labkit.parallel.tensor.dtensor import apply_dtensor_tp
