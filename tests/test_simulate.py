@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 from labkit.theory import simulate as sim
@@ -163,7 +164,8 @@ def test_bubble_table_rows():
 def test_sim_frame_has_timeline_columns():
     from labkit.runtime.timeline import COLUMNS
 
-    df = sim.simulate(sim.make_schedule("zb-h1", 2, 4), OpCosts(0.01, 0.01, 0.01)).to_frame(step=3)
+    df = sim.simulate(sim.make_schedule("zb-h1", 2, 4), OpCosts(0.01, 0.01, 0.01)).timeline_rows(step=3)
+    df = pd.DataFrame(df)
     assert list(df.columns) == COLUMNS
     assert set(df["name"]) == {"F", "B", "W"} and (df["step"] == 3).all()
     assert (df["end_ns"] > df["start_ns"]).all()

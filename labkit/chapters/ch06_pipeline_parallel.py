@@ -13,6 +13,7 @@ import pandas as pd
 
 from labkit.chapters.common import check_fits_in_memory, check_world_size
 from labkit.checks import positive_float, positive_int
+from labkit.runtime import timeline as tl
 from labkit.theory import simulate as sim
 from labkit.theory.pipeline import check_job
 from labkit.theory.simulate import OpCosts
@@ -119,7 +120,7 @@ def gantt(result, step: int = 0, title: str | None = None):
 
     if isinstance(result, sim.SimResult):
         s = result.schedule
-        df = result.to_frame(step=step)
+        df = pd.DataFrame(result.timeline_rows(step=step), columns=tl.COLUMNS)
         vs = f" v={s.v}" if s.v > 1 else ""
         title = title or (f"{s.name} pp={s.p} m={s.m}{vs} — simulated (bubble "
                           f"{result.bubble_fraction:.3f} of total time)")

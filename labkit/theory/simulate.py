@@ -331,17 +331,13 @@ class SimResult:
     peak_inflight: tuple[int, ...]
     extra: dict = field(default_factory=dict)
 
-    def to_frame(self, step: int = 0, origin_ns: int = 0):
-        """The events as a timeline DataFrame (labkit.runtime.timeline columns; kind='compute'), so a simulated
-        step draws like a measured one. Imports pandas (not torch)."""
-        import pandas as pd
-
-        rows = [{"rank": e["rank"], "name": e["name"], "kind": "compute",
+    def timeline_rows(self, step: int = 0, origin_ns: int = 0) -> list[dict]:
+        """The events as timeline rows (labkit.runtime.timeline columns; kind='compute'), so a simulated step
+        draws like a measured one: ``pandas.DataFrame(result.timeline_rows())`` is a timeline frame."""
+        return [{"rank": e["rank"], "name": e["name"], "kind": "compute",
                  "start_ns": origin_ns + round(e["start_s"] * 1e9), "end_ns": origin_ns + round(e["end_s"] * 1e9),
                  "step": step, "microbatch": e["microbatch"], "stage": e["stage"], "nbytes": 0}
                 for e in self.events]
-        cols = ["rank", "name", "kind", "start_ns", "end_ns", "step", "microbatch", "stage", "nbytes"]
-        return pd.DataFrame(rows, columns=cols)
 
 
 def simulate(schedule: Schedule, costs: OpCosts | None = None) -> SimResult:
