@@ -124,6 +124,7 @@ def test_any_argument_list_ends_in_one_line_or_success(command, stubbed):
     def check(argv):
         rc, err, seconds = _call(argv)
         outcomes[rc] = outcomes.get(rc, 0) + 1
+        outcomes["max_s"] = round(max(outcomes.get("max_s", 0.0), seconds), 3)
         assert "Traceback" not in err, (argv, err)
         assert rc in (0, 1, 2, "accepted"), (argv, rc, err)
         if rc == 2:
@@ -131,5 +132,5 @@ def test_any_argument_list_ends_in_one_line_or_success(command, stubbed):
         assert seconds < PER_CALL_S, (argv, seconds)
 
     check()
-    assert sum(outcomes.values()) >= 60
+    assert sum(v for k, v in outcomes.items() if k != "max_s") >= 60
     print(f"{' '.join(command)}: {outcomes}")
