@@ -1,9 +1,11 @@
 """The ``labkit`` command line: one subcommand per module in ``labkit/commands/``.
 
 Each command module defines ``NAME`` (the subcommand), ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``. Bad input (a ValueError from labkit, or an OSError for a path) is printed as one line
-on stderr and exits 2; a launch that fails (LaunchError) prints its first line and exits 1; a closed pipe
-(``| head``) ends quietly.
+``run(args) -> int``. Every command and every benchmark goes through :func:`run_main`, the one place that
+turns what a user can cause into one line on stderr: bad input (ValueError, TypeError, OverflowError and other
+ArithmeticErrors, a YAML syntax error, an OSError for a path, a MemoryError from an absurd size) exits 2; a
+launch that fails (LaunchError) prints its first line and exits 1; a closed pipe (``| head``) ends quietly.
+Argument parsing errors are one line and exit 2 as well (:class:`_Parser`).
 """
 
 from __future__ import annotations
@@ -42,9 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_yaml_error(e: BaseException) -> bool:
+    return any(t.__module__.split(".")[0] == "yaml" and t.__name__ == "YAMLError" for t in type(e).__mro__)
+
+
+def _one_line(name: str, e: BaseException) -> str:
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - e.g. an int too long to print
+        text = type(e).__name__
+    lines = [ln for ln in f"{name}: error: {text or type(e).__name__}".splitlines() if ln.strip()]
+    return lines[0] if lines else f"{name}: error"
+
+
 def run_main(name: str, fn) -> int:
     """Call ``fn()`` (a command or a benchmark's main) and turn what users cause into one line on stderr and an
-    exit status: ValueError or OSError (bad input, an unusable path) -> 2; a failed or timed-out launch
+    exit status: ValueError, TypeError, ArithmeticError (OverflowError from 1e308-scale numbers...), a YAML error,
+    MemoryError or OSError (bad input, an unusable path) -> 2; a failed or timed-out launch
     (labkit.runtime.launcher.LaunchError) -> 1; Ctrl-C -> 130; a closed stdout (``... --json | head``) -> 0, quietly.
     Anything else is a bug and keeps its traceback. Returns ``fn()``'s status (None -> 0)."""
     try:
@@ -53,8 +69,8 @@ def run_main(name: str, fn) -> int:
         # the reader went away (`labkit memory --json | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ValueError, OSError) as e:
-        print(f"{name}: error: {e}".splitlines()[0], file=sys.stderr)
+    except (ValueError, TypeError, ArithmeticError, MemoryError, OSError) as e:
+        print(_one_line(name, e), file=sys.stderr)
         return 2
     except RuntimeError as e:
         from labkit.runtime.launcher import LaunchError
@@ -62,11 +78,16 @@ def run_main(name: str, fn) -> int:
         if not isinstance(e, LaunchError):
             raise
         # a launch that failed or timed out: its first line says which rank and why
-        print(f"{name}: error: {e}".splitlines()[0], file=sys.stderr)
+        print(_one_line(name, e), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _is_yaml_error(e):
+            raise
+        print(_one_line(name, e), file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,14 +44,21 @@ def discover(chapters: list[str] | None = None, folder: str | Path | None = None
 def parse_parameters(pairs: list[str] | None) -> dict:
     """``["world_size=4", "fast=true"]`` -> ``{"world_size": 4, "fast": True}`` (values read as YAML).
 
-    Raises ValueError for an item without ``=``.
+    Raises ValueError for an item without ``=`` or a value that is not valid YAML (naming the parameter).
     """
     params = {}
     for item in pairs or []:
         name, sep, value = item.partition("=")
         if not sep or not name.strip().isidentifier():
             raise ValueError(f"parameter {item!r} must look like name=value (e.g. world_size=4)")
-        params[name.strip()] = yaml.safe_load(value) if value.strip() else ""
+        try:
+            params[name.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as e:
+            why = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ValueError(f"parameter {name.strip()}: value {value!r} is not valid YAML ({why}); quote it to pass "
+                             f"a string, e.g. -p '{name.strip()}=\"...\"'") from None
+        except RecursionError:
+            raise ValueError(f"parameter {name.strip()}: value is nested too deeply") from None
     return params
 
 
@@ -106,16 +113,73 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
         name = type(e).__name__
         status = "timeout" if "Timeout" in name or "DeadKernel" in name else "failed"
         error = f"{name}: {e}".splitlines()[0]
+        cell = last_started_cell(output) if output.exists() else None
+        if cell is not None:
+            index, first = cell
+            what = (f"did not finish within the {cell_timeout_s:g} s cell timeout" if "Timeout" in name
+                    else f"was running when the kernel died ({name})" if "DeadKernel" in name else f"failed ({name})")
+            error = f"cell {index} ({first!r}) {what}"
+            mark_cell_failed(output, index, name, error)
     if status == "ok":
         stalled = stalled_cells(output, cell_timeout_s)
         if stalled:
             # nbclient can miss a reply and wait out the whole cell timeout, then carry on as if nothing
             # happened (jupyter/nbclient#312): a cell that lasted the timeout did not really succeed
             status = "timeout"
-            error = (f"cell(s) {', '.join(map(str, stalled))} ran for the whole {cell_timeout_s:g} s cell "
-                     "timeout (stalled)")
+            firsts = {i: _first_line(output, i) for i in stalled}
+            error = (f"cell(s) {', '.join(f'{i} ({firsts[i]!r})' for i in stalled)} ran for the whole "
+                     f"{cell_timeout_s:g} s cell timeout (stalled)")
+            for i in stalled:
+                mark_cell_failed(output, i, "CellTimeoutError", error)
     return {"notebook": path.name, "status": status, "seconds": round(time.perf_counter() - t0, 1),
             "parameters": applied, "error": error, "output": str(output)}
+
+
+def _first_line(executed: str | Path, index: int) -> str:
+    import nbformat
+
+    nb = nbformat.read(str(executed), as_version=4)
+    return next((ln.strip() for ln in nb.cells[index].source.splitlines() if ln.strip()), "")
+
+
+def last_started_cell(executed: str | Path) -> tuple[int, str] | None:
+    """``(index, first line)`` of the last code cell papermill started in an executed notebook — the one that
+    was running when execution stopped (a cell timeout, a dead kernel) — or None."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(str(executed), as_version=4)
+    except Exception:  # noqa: BLE001 - an unreadable output: nothing to name
+        return None
+    found = None
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and cell.get("metadata", {}).get("papermill", {}).get("start_time"):
+            found = i
+    if found is None:
+        return None
+    first = next((ln.strip() for ln in nb.cells[found].source.splitlines() if ln.strip()), "")
+    return found, first
+
+
+def mark_cell_failed(executed: str | Path, index: int, ename: str, evalue: str) -> None:
+    """Mark cell ``index`` of an executed notebook failed (papermill marks a timed-out cell "completed"): its
+    papermill status and exception flag, the notebook's exception flag, and an error output saying why."""
+    import nbformat
+
+    nb = nbformat.read(str(executed), as_version=4)
+    cell = nb.cells[index]
+    meta = cell.setdefault("metadata", {}).setdefault("papermill", {})
+    meta["status"] = "failed"
+    meta["exception"] = True
+    nb.metadata.setdefault("papermill", {})["exception"] = True
+    for later in nb.cells[index + 1:]:  # cells after it never ran
+        pm = later.get("metadata", {}).get("papermill")
+        if pm is not None and pm.get("status") == "completed" and not pm.get("start_time"):
+            pm["status"] = "pending"
+    if cell.cell_type == "code":
+        cell.outputs.append(nbformat.v4.new_output("error", ename=ename, evalue=evalue,
+                                                   traceback=[f"{ename}: {evalue}"]))
+    nbformat.write(nb, str(executed))
 
 
 def stalled_cells(executed: str | Path, cell_timeout_s: float, margin_s: float = 0.5) -> list[int]:

@@ -100,3 +100,34 @@ def test_run_unknown_kernel_is_one_line_exit_2():
     proc = run_cli("run", "--chapters", "00", "--kernel", "nope")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         proc.stderr.strip()] and "kernel='nope' is not an installed Jupyter kernel" in proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["memory", "--params", "1e308"], "labkit memory: error:"),  # OverflowError inside the estimate
+    (["memory", "--model", "llama-3-8b", "--seq", "9" * 320], "labkit memory: error:"),
+    (["plan", "--model", "llama-3-70b", "--gpus", str(10**18), "--global-batch", "1024"], "too large"),
+    (["run", "-p", "x=[1,"], "parameter x: value '[1,' is not valid YAML"),
+    (["run", "-p", "world_size=1000"], "the largest world_size that fits is"),
+])
+def test_issue_17_inputs_are_one_line_exit_2_within_a_second(args, needle, capsys):
+    import time
+
+    t0 = time.perf_counter()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_run_main_one_line_for_every_user_error(capsys):
+    import yaml
+
+    from labkit.cli import run_main
+
+    def yaml_error():
+        yaml.safe_load("[1,")
+
+    for fn in (lambda: float("1e308") * 10**400, lambda: sum(5), yaml_error, lambda: 1 / 0):
+        assert run_main("x", fn) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and all(ln.startswith("x: error: ") for ln in lines), lines

@@ -16,16 +16,20 @@ def run(args) -> int:
     import os
     import platform
 
+    from labkit.checks import positive_float, positive_int
+    from labkit.runtime.limits import check_world_size
+
+    ws = positive_int("--world-size", args.world_size)
+    timeout = positive_float("--timeout", args.timeout)
+    if not args.no_probe:  # refused before anything is imported or started (override: $LABKIT_MAX_WORLD_SIZE)
+        check_world_size(ws, name="--world-size")
+
     import pandas as pd
     import torch
     import torch.distributed as dist
 
-    from labkit.checks import positive_float, positive_int
     from labkit.experiments import probe_collectives
     from labkit.runtime.launcher import launch, resolve_backend
-
-    ws = positive_int("--world-size", args.world_size)
-    timeout = positive_float("--timeout", args.timeout)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = [torch.cuda.get_device_name(i) for i in range(n_gpus)]
     print(f"python        {platform.python_version()} ({platform.platform()})")

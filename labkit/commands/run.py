@@ -31,8 +31,14 @@ def run(args) -> int:
         if not chapters:
             raise ValueError(f"--chapters {args.chapters!r} names no chapter; give numbers like 00,02")
     params = parse_parameters(args.parameter)
+    if "world_size" in params:  # refused here, before any notebook starts ranks (override: $LABKIT_MAX_WORLD_SIZE)
+        from labkit.checks import positive_int
+        from labkit.runtime.limits import check_world_size
+
+        check_world_size(positive_int("-p world_size", params["world_size"]), name="-p world_size")
     timeout = positive_float("--cell-timeout", args.cell_timeout)
-    check_parameters(discover(chapters), params)
+    if params:  # a parameter no chosen chapter declares is a typo: refused before anything runs
+        check_parameters(discover(chapters), params)
     df = run_chapters(chapters, out=args.out, parameters=params, cell_timeout_s=timeout, kernel_name=args.kernel,
                       progress=sys.stderr.isatty())
     table = df[["notebook", "status", "seconds", "error"]].copy()

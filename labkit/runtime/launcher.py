@@ -11,12 +11,17 @@ Failure handling (each case is in tests/test_launch.py):
 * a rank exits or is killed by a signal -> :class:`RankFailed` with the exit code or signal name;
 * nothing finishes within ``timeout_s`` -> :class:`LaunchTimeout` with each live rank's Python stack;
 * Ctrl-C / kernel interrupt in the caller -> every rank is killed and KeyboardInterrupt propagates;
-* the caller itself dies -> the ranks die with it (Linux ``PR_SET_PDEATHSIG``).
+* the caller itself dies -> the ranks die with it, and so does everything they started.
+
+Hardening (tests/test_hardening.py): every rank is started by a per-launch supervisor (supervisor.py) that
+kills each rank's whole session and every process a rank started on every exit path, including the
+caller's death; the rendezvous store and the backends listen on loopback only (rendezvous.py); ranks import
+nothing from the working directory (safepath.py); more ranks than host memory holds are refused before
+anything starts (limits.py); a rank SIGKILLed by the OOM killer is named so.
 """
 
 from __future__ import annotations
 
-import collections
 import inspect
 import json
 import linecache
@@ -24,10 +29,8 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -169,13 +172,36 @@ def _find_unpicklable(obj, path: str, depth: int = 0, seen=None) -> tuple[str, o
     return path, obj, err
 
 
+def _by_value_modules():
+    """Register the caller's working-directory modules (safepath.cwd_modules) to travel by value; returns the
+    ones registered here, to unregister after pickling."""
+    from labkit.runtime.safepath import cwd_modules, shipped_sys_path
+
+    already = getattr(getattr(cloudpickle, "cloudpickle", None), "_PICKLE_BY_VALUE_MODULES", set())
+    mods = [m for m in cwd_modules(shipped_sys_path()) if m.__name__ not in already]
+    for m in mods:
+        cloudpickle.register_pickle_by_value(m)
+    return mods
+
+
 def ship(fn, args: tuple, kwargs: dict) -> bytes:
     """Pickle ``(fn, args, kwargs)`` by value with cloudpickle (a function defined in a notebook cell or
-    ``__main__`` travels by value; one from an importable module by reference).
+    ``__main__`` travels by value; one from an importable module by reference; one from a module the caller
+    imported from its working directory — a helper file next to the notebook — by value too, because the
+    ranks never have the working directory on their path: labkit.runtime.safepath).
 
     Raises :class:`ShipError` naming the first piece that cannot be pickled, e.g.
     ``fn uses global 'lock' (a _thread.lock) cannot be pickled``.
     """
+    mods = _by_value_modules()
+    try:
+        return _ship(fn, args, kwargs)
+    finally:
+        for m in mods:
+            cloudpickle.unregister_pickle_by_value(m)
+
+
+def _ship(fn, args: tuple, kwargs: dict) -> bytes:
     payload = {"fn": fn, "args": tuple(args), "kwargs": dict(kwargs)}
     if _pickle_error(payload) is None:
         return cloudpickle.dumps(payload)
@@ -193,51 +219,150 @@ def ship(fn, args: tuple, kwargs: dict) -> bytes:
 # ------------------------------------------------------------------------------------------------------
 # launch
 # ------------------------------------------------------------------------------------------------------
-class _Rank:
-    """One child process and the threads that forward its output."""
+_RUN_PREFIX = "labkit-launch-"
 
-    def __init__(self, rank: int, proc: subprocess.Popen, echo: bool):
-        self.rank = rank
-        self.proc = proc
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.threads = [
-            threading.Thread(target=self._pump, args=(proc.stdout, sys.stdout, None, echo), daemon=True),
-            threading.Thread(target=self._pump, args=(proc.stderr, sys.stderr, self.stderr_tail, echo),
-                             daemon=True),
-        ]
-        for t in self.threads:
-            t.start()
 
-    def _pump(self, pipe, sink, tail, echo):
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            if tail is not None:
-                tail.append(line)
-            if echo:
-                try:
-                    # read sys.stdout/err at call time: Jupyter swaps them per cell
-                    (sys.stdout if sink is sys.stdout else sys.stderr).write(f"[rank {self.rank}] {line}")
-                except Exception:  # noqa: BLE001 - a closed sink must not kill the pump
-                    pass
-        pipe.close()
+def remove_stale_launch_dirs(tmp: str | Path | None = None) -> list[Path]:
+    """Remove ``labkit-launch-*`` temporary folders (this user's) whose owning process is gone — left by a
+    caller that was SIGKILLed while its supervisor was killed too. A folder is kept while its owner runs (pid
+    and start time in ``spec.json``; the pid in the name before that file exists). Returns what was removed."""
+    from labkit.runtime.probes import pid_alive
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                try:
-                    self.proc.kill()
-                except ProcessLookupError:
-                    pass
-
-    def join(self) -> None:
+    tmp = Path(tmp if tmp is not None else tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(tmp.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        if not d.name.startswith(_RUN_PREFIX):
+            continue
         try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for t in self.threads:
-            t.join(timeout=2)
+            st = d.lstat()
+            if not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid():
+                continue
+            pid, start = None, None
+            head = d.name[len(_RUN_PREFIX):].split("-", 1)[0]
+            if head.isdigit():
+                pid = int(head)
+            spec = d / "spec.json"
+            if spec.exists():
+                info = json.loads(spec.read_text())
+                pid, start = int(info.get("parent_pid", pid or 0)), info.get("parent_start")
+            if pid is None:
+                if time.time() - st.st_mtime < 3600:
+                    continue  # an old-style folder without an owner: only when clearly abandoned
+            elif pid_alive(pid, start):
+                continue
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def _rank_env(threads: int) -> dict:
+    from labkit.runtime.rendezvous import pin_to_loopback
+    from labkit.runtime.safepath import rank_pythonpath
+
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
+    pp = rank_pythonpath(env.get("PYTHONPATH"))
+    if pp:
+        env["PYTHONPATH"] = pp
+    else:
+        env.pop("PYTHONPATH", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = str(threads)
+    return pin_to_loopback(env)
+
+
+class RankSet:
+    """``world_size`` started ranks with their process group, running one job after another (a cold launch
+    runs one; a :class:`~labkit.runtime.pool.Pool` many). Internal: use :func:`launch` or ``Pool``."""
+
+    def __init__(self, world_size: int, backend: str, timeout_s: float, threads: int, echo: bool):
+        from labkit.runtime.limits import oom_kill_counts
+        from labkit.runtime.probes import process_start_ticks
+        from labkit.runtime.procs import RankProcs
+        from labkit.runtime.safepath import boot_argv, shipped_sys_path
+
+        remove_stale_launch_dirs()
+        self.world_size, self.backend, self.timeout_s, self.threads = world_size, backend, timeout_s, threads
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-"))
+        self.jobs = 0
+        self.last_job: Path | None = None
+        self.procs = None
+        try:
+            spec = {"world_size": world_size, "backend": backend, "timeout_s": timeout_s, "threads": threads,
+                    "parent_pid": os.getpid(), "parent_start": process_start_ticks(os.getpid()),
+                    "cwd": os.getcwd(), "sys_path": shipped_sys_path()}
+            (self.run_dir / "spec.json").write_text(json.dumps(spec))
+            self.oom_before = oom_kill_counts()
+            self.started = time.monotonic()
+            argvs = [boot_argv("labkit.runtime.worker", "rank_main", [str(self.run_dir), str(r)])
+                     for r in range(world_size)]
+            self.procs = RankProcs(argvs, _rank_env(threads), self.run_dir, self.run_dir / "supervisor.json",
+                                   echo=echo, with_stdin=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def alive(self) -> bool:
+        return self.procs is not None and self.procs.alive()
+
+    def idle(self, timeout_s: float) -> bool:
+        """Wait until every rank finished resetting after the last job; False if one died or broke instead."""
+        if self.last_job is None:
+            return self.alive()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive() or any(self.last_job.glob("broken_*")) or any(self.last_job.glob("error_*")):
+                return False
+            if all((self.last_job / f"idle_{r}").exists() for r in range(self.world_size)):
+                return True
+            time.sleep(_POLL_S / 2)
+        return False
+
+    def run(self, fn, payload: bytes, timeout_s: float, threads: int, echo: bool, *, last: bool,
+            start: float | None = None) -> LaunchResult:
+        from labkit.runtime.limits import oom_kill_counts
+
+        self.procs.echo = echo
+        self.jobs += 1
+        job = self.run_dir / f"job-{self.jobs}"
+        job.mkdir()
+        (job / "payload.pkl").write_bytes(payload)
+        start = time.monotonic() if start is None else start
+        if start != self.started:
+            self.oom_before = oom_kill_counts()
+        self.last_job = job
+        self.procs.send(json.dumps({"job": job.name, "threads": threads, "last": last}))
+        try:
+            _wait(self, job, timeout_s, start)
+        except LaunchError as e:
+            _restore_source_lines(e, fn)
+            raise
+        outputs = [cloudpickle.loads((job / f"result_{r}.pkl").read_bytes()) for r in range(self.world_size)]
+        wall_s = time.monotonic() - start
+        frames = []
+        for r, out in enumerate(outputs):
+            t = tl.Timeline(r, out.get("offset_ns", 0))
+            t.events = out["events"]
+            frames.append(t.to_frame())
+        for f in job.glob("*.pkl"):
+            f.unlink()
+        return LaunchResult([o["result"] for o in outputs], tl.concat(frames), self.world_size, self.backend,
+                            wall_s)
+
+    def close_procs(self) -> None:
+        """Kill every rank and everything it started (idempotent); the private folder stays for reading."""
+        if self.procs is not None:
+            self.procs.kill()
+
+    def close(self) -> None:
+        """:meth:`close_procs`, then remove the private folder (idempotent)."""
+        self.close_procs()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _describe_exit(code: int) -> tuple[str, str | None]:
@@ -250,35 +375,7 @@ def _describe_exit(code: int) -> tuple[str, str | None]:
     return f"exited with code {code} without raising a Python exception", None
 
 
-def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-           start_method: str = "spawn", threads_per_rank: int | None = None, echo: bool = True,
-           **kwargs) -> LaunchResult:
-    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
-
-    Args:
-        fn: a function (from a module, a notebook cell or ``__main__``; shipped by value with cloudpickle),
-            or a ``"module:function"`` string.
-        world_size: number of ranks (>= 1). On CPU more ranks than cores is allowed (they share the cores).
-        backend: ``"auto"`` (NCCL with one GPU per rank when enough GPUs are visible, else gloo on CPU),
-            ``"gloo"`` or ``"nccl"``.
-        timeout_s: wall-clock limit for the whole launch (spawn to results), seconds; also each
-            collective's timeout inside the ranks.
-        start_method: only ``"spawn"`` (fresh interpreters); anything else raises ValueError explaining why.
-        threads_per_rank: torch intra-op threads per rank; default ``max(1, cores // world_size)``.
-        echo: forward each rank's stdout/stderr here, prefixed ``[rank r]``.
-        **kwargs: passed to ``fn``. The names above are reserved by ``launch``.
-
-    Returns:
-        :class:`LaunchResult`: a list of per-rank return values in rank order, with ``.timeline`` (a
-        DataFrame of all ranks' events), ``.backend``, ``.world_size`` and ``.wall_s``.
-
-    Raises:
-        ValueError: bad ``world_size``, ``backend``, ``timeout_s`` or ``start_method``.
-        ShipError (a ValueError): ``fn`` or an argument cannot be pickled; raised before any process starts.
-        RankFailed: a rank raised, exited or was killed (``.rank``, ``.traceback_text``, ``.signal_name``).
-        LaunchTimeout: the run exceeded ``timeout_s`` (``.stacks``: rank -> Python stack).
-        KeyboardInterrupt: re-raised after every rank has been killed.
-    """
+def _check_launch_args(world_size, timeout_s, start_method, backend, threads_per_rank):
     world_size = positive_int("world_size", world_size)
     timeout_s = positive_float("timeout_s", timeout_s)
     if start_method != "spawn":
@@ -294,99 +391,110 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
 
         threads_per_rank = cpu_threads_per_rank(world_size) if backend == "gloo" else 1
     threads_per_rank = positive_int("threads_per_rank", threads_per_rank)
+    return world_size, timeout_s, backend, threads_per_rank
+
+
+def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+           start_method: str = "spawn", threads_per_rank: int | None = None, echo: bool = True,
+           max_world_size: int | None = None, **kwargs) -> LaunchResult:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
+
+    Args:
+        fn: a function (from a module, a notebook cell or ``__main__``; shipped by value with cloudpickle),
+            or a ``"module:function"`` string.
+        world_size: number of ranks (>= 1). On CPU more ranks than cores is allowed (they share the cores);
+            more than host memory holds is refused (labkit.runtime.limits: 512 MiB per rank).
+        backend: ``"auto"`` (NCCL with one GPU per rank when enough GPUs are visible, else gloo on CPU),
+            ``"gloo"`` or ``"nccl"``.
+        timeout_s: wall-clock limit for the whole launch (spawn to results; for a warm pool, submission to
+            results), seconds; also each collective's timeout inside cold-started ranks.
+        start_method: only ``"spawn"`` (fresh interpreters); anything else raises ValueError explaining why.
+        threads_per_rank: torch intra-op threads per rank; default ``max(1, cores // world_size)``.
+        echo: forward each rank's stdout/stderr here, prefixed ``[rank r]``.
+        max_world_size: raise (or lower) the memory-derived cap on ``world_size`` explicitly (also
+            ``$LABKIT_MAX_WORLD_SIZE``).
+        **kwargs: passed to ``fn``. The names above are reserved by ``launch``.
+
+    Returns:
+        :class:`LaunchResult`: a list of per-rank return values in rank order, with ``.timeline`` (a
+        DataFrame of all ranks' events), ``.backend``, ``.world_size`` and ``.wall_s``.
+
+    Raises:
+        ValueError: bad ``world_size`` (or more ranks than memory holds), ``backend``, ``timeout_s`` or
+            ``start_method``.
+        ShipError (a ValueError): ``fn`` or an argument cannot be pickled; raised before any process starts.
+        RankFailed: a rank raised, exited or was killed (``.rank``, ``.traceback_text``, ``.signal_name``; a
+            SIGKILL says whether the OOM killer did it).
+        LaunchTimeout: the run exceeded ``timeout_s`` (``.stacks``: rank -> Python stack).
+        KeyboardInterrupt: re-raised after every rank has been killed.
+    """
+    world_size, timeout_s, backend, threads_per_rank = _check_launch_args(world_size, timeout_s, start_method,
+                                                                          backend, threads_per_rank)
     if isinstance(fn, str):
         from labkit.runtime.worker import resolve_function
 
         fn = resolve_function(fn)
     if not callable(fn):
         raise ValueError(f"fn={fn!r} is not callable; pass a function or 'module:function'")
+    from labkit.runtime.limits import check_world_size
+
+    check_world_size(world_size, max_world_size)
     payload = ship(fn, args, kwargs)
-
-    run_dir = Path(tempfile.mkdtemp(prefix="labkit-launch-"))
-    ranks: list[_Rank] = []
-    start = time.monotonic()
+    ranks = RankSet(world_size, backend, timeout_s, threads_per_rank, echo)
     try:
-        (run_dir / "payload.pkl").write_bytes(payload)
-        spec = {"world_size": world_size, "backend": backend, "timeout_s": timeout_s,
-                "threads": threads_per_rank, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p]}
-        (run_dir / "spec.json").write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
-        pkg_parent = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        env["PYTHONUNBUFFERED"] = "1"
-        env["OMP_NUM_THREADS"] = str(threads_per_rank)
-        for rank in range(world_size):
-            argv = [sys.executable, "-m", "labkit.runtime.worker", "--spawned", str(run_dir), str(rank)]
-            proc = subprocess.Popen(argv,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=env, start_new_session=True)
-            ranks.append(_Rank(rank, proc, echo))
-        try:
-            _wait(ranks, run_dir, world_size, timeout_s, start)
-        except LaunchError as e:
-            _restore_source_lines(e, fn)
-            raise
-        outputs = [cloudpickle.loads((run_dir / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
-        wall_s = time.monotonic() - start
-        frames = []
-        for r, out in enumerate(outputs):
-            t = tl.Timeline(r, out.get("offset_ns", 0))
-            t.events = out["events"]
-            frames.append(t.to_frame())
-        return LaunchResult([o["result"] for o in outputs], tl.concat(frames), world_size, backend, wall_s)
+        return ranks.run(fn, payload, timeout_s, threads_per_rank, echo, last=True, start=ranks.started)
     finally:
-        for r in ranks:
-            r.kill()
-        for r in ranks:
-            r.join()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        ranks.close()
 
 
-def _read_error(run_dir: Path, rank: int) -> dict | None:
-    path = run_dir / f"error_{rank}.json"
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def _read_error(dirs: list[Path], rank: int) -> dict | None:
+    for d in dirs:
+        path = d / f"error_{rank}.json"
+        if path.exists():
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+    return None
 
 
-def _wait(ranks: list[_Rank], run_dir: Path, world_size: int, timeout_s: float, start: float) -> None:
+def _wait(ranks: RankSet, job: Path, timeout_s: float, start: float) -> None:
     deadline = start + timeout_s
     first_failure_at = None
+    n = ranks.world_size
     while True:
-        codes = [r.proc.poll() for r in ranks]
-        failed = [r for r, c in zip(ranks, codes) if c not in (None, 0)]
-        failed += [r for r, c in zip(ranks, codes) if c == 0 and not (run_dir / f"result_{r.rank}.pkl").exists()]
+        codes = ranks.procs.poll()
+        have = [(job / f"result_{r}.pkl").exists() for r in range(n)]
+        failed = [r for r, c in enumerate(codes) if c is not None and not (c == 0 and have[r])]
         if failed:
             now = time.monotonic()
             if first_failure_at is None:
                 first_failure_at = now
             if now - first_failure_at >= _GRACE_S or all(c is not None for c in codes):
-                _raise_failure(ranks, run_dir, world_size, codes, now - start)
-        elif all(c == 0 for c in codes):
+                _raise_failure(ranks, job, codes, now - start)
+        elif all(have):
             return
         if time.monotonic() > deadline:
-            _raise_timeout(ranks, run_dir, world_size, timeout_s, time.monotonic() - start)
+            _raise_timeout(ranks, job, timeout_s, time.monotonic() - start)
         time.sleep(_POLL_S)
 
 
-def _raise_failure(ranks, run_dir, world_size, codes, elapsed) -> None:
+def _raise_failure(ranks: RankSet, job: Path, codes, elapsed) -> None:
     """Blame one rank. ``codes`` are the exit codes seen before we killed anyone. Order: a Python
     exception that is not a peer's broken connection (earliest first), then a rank that ended on its own
     without an exception (signal, exit code, or exit 0 with no result), then communication errors."""
-    for r in ranks:
-        r.kill()
-    for r in ranks:
-        r.join()
+    from labkit.runtime.limits import describe_sigkill, oom_kill_counts
+
+    world_size = ranks.world_size
+    oom_after = oom_kill_counts()
+    ranks.close_procs()
     candidates = []
-    for r, code in zip(ranks, codes):
-        err = _read_error(run_dir, r.rank)
+    for r, code in enumerate(codes):
+        err = _read_error([job, ranks.run_dir], r)
         if err is not None:
-            candidates.append((2 if err.get("comm") else 0, err["time_ns"], r.rank, code, err))
-        elif code is not None and (code != 0 or not (run_dir / f"result_{r.rank}.pkl").exists()):
-            candidates.append((1, 0, r.rank, code, None))
+            candidates.append((2 if err.get("comm") else 0, err["time_ns"], r, code, err))
+        elif code is not None and (code != 0 or not (job / f"result_{r}.pkl").exists()):
+            candidates.append((1, 0, r, code, None))
     prio, _, rank, code, err = min(candidates, key=lambda c: (c[0], c[1], c[2]))
     others = sorted({c[2] for c in candidates} - {rank})
     also = f" (also failed afterwards: rank(s) {', '.join(map(str, others))})" if others else ""
@@ -400,7 +508,9 @@ def _raise_failure(ranks, run_dir, world_size, codes, elapsed) -> None:
         what, sig = "exited with code 0 before returning a result", None
     else:
         what, sig = _describe_exit(code)
-    tail = "".join(ranks[rank].stderr_tail).strip()
+    if sig == "SIGKILL":
+        what += ": " + describe_sigkill(ranks.oom_before, oom_after, ranks.procs.hwm.get(rank))
+    tail = ranks.procs.stderr_tail(rank)
     msg = f"rank {rank} of {world_size} {what}{also}"
     if tail:
         msg += f"\n--- last stderr lines of rank {rank} ---\n{tail}"
@@ -408,26 +518,22 @@ def _raise_failure(ranks, run_dir, world_size, codes, elapsed) -> None:
                      traceback_text=tail, elapsed_s=elapsed)
 
 
-def _raise_timeout(ranks, run_dir, world_size, timeout_s, elapsed) -> None:
-    alive = [r for r in ranks if r.proc.poll() is None]
+def _raise_timeout(ranks: RankSet, job: Path, timeout_s, elapsed) -> None:
+    world_size = ranks.world_size
+    codes = ranks.procs.poll()
+    alive = [r for r, c in enumerate(codes) if c is None]
     # snapshot what each rank had reached at the deadline: a slow start-up may finish during the stack wait below
-    done = [r.rank for r in ranks if (run_dir / f"result_{r.rank}.pkl").exists()]
-    not_started = [r.rank for r in alive if not (run_dir / f"started_{r.rank}").exists()]
-    for r in alive:
-        try:
-            os.kill(r.proc.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
-        except ProcessLookupError:
-            pass
+    done = [r for r in range(world_size) if (job / f"result_{r}.pkl").exists()]
+    not_started = [r for r in alive if not (job / f"started_{r}").exists()]
+    ranks.procs.signal(signal.SIGUSR1)  # faulthandler dumps every thread's stack
     time.sleep(_STACK_WAIT_S)
-    for r in ranks:
-        r.kill()
-    for r in ranks:
-        r.join()
+    ranks.close_procs()
     stacks = {}
     for r in alive:
-        p = run_dir / f"stack_{r.rank}.txt"
-        stacks[r.rank] = p.read_text().strip() if p.exists() else ""
-    head = (f"launch timed out after {timeout_s:g} s: rank(s) {', '.join(str(r.rank) for r in alive)} of "
+        texts = [p.read_text().strip() for p in (job / f"stack_{r}.txt", ranks.run_dir / f"stack_{r}.txt")
+                 if p.exists()]
+        stacks[r] = next((t for t in texts if t), "")
+    head = (f"launch timed out after {timeout_s:g} s: rank(s) {', '.join(map(str, alive))} of "
             f"{world_size} still running" + (f"; rank(s) {', '.join(map(str, done))} had finished" if done else ""))
     if not_started:
         why = (f" Rank(s) {', '.join(map(str, not_started))} had not reached the rank function yet (still "
@@ -440,7 +546,7 @@ def _raise_timeout(ranks, run_dir, world_size, timeout_s, elapsed) -> None:
     for rank, st in stacks.items():
         if st:
             parts.append(f"--- stack of rank {rank} ---\n{st}")
-    raise LaunchTimeout("\n".join(parts), rank=alive[0].rank if alive else None, world_size=world_size,
+    raise LaunchTimeout("\n".join(parts), rank=alive[0] if alive else None, world_size=world_size,
                         stacks=stacks, elapsed_s=elapsed)
 
 
@@ -492,11 +598,20 @@ def _restore_source_lines(err: LaunchError, fn) -> None:
     err.stacks = {r: _DYNAMIC_FRAME.sub(repl, st + "\n").rstrip("\n") for r, st in err.stacks.items()}
 
 
-def load_results(out_dir: str | Path) -> LaunchResult:
+def load_results(out_dir: str | Path, *, allow_pickle: bool = False) -> LaunchResult:
     """Read what ``torchrun ... -m labkit.runtime.worker FN --out DIR`` wrote: a LaunchResult like ``launch``'s.
 
-    Raises ValueError when DIR holds no complete run (missing meta.json or a rank's file).
+    Trust boundary: DIR may be a shared folder. Ranks store results as data (``rank<r>.pt``, read with
+    ``torch.load(weights_only=True)``, which runs no code: labkit.runtime.results) and ``meta.json`` as JSON.
+    Results that are not plain data were stored with pickle only if the run asked for it
+    (``--pickle-results``); reading those runs code from the files, so it needs ``allow_pickle=True`` — pass it
+    only for a folder you (and everyone who can write to it) trust.
+
+    Raises ValueError when DIR holds no complete run (missing meta.json or a rank's file), or holds pickled
+    results and ``allow_pickle`` is False.
     """
+    from labkit.runtime.results import loads_safe
+
     out = Path(out_dir)
     meta_path = out / "meta.json"
     if not meta_path.exists():
@@ -504,12 +619,19 @@ def load_results(out_dir: str | Path) -> LaunchResult:
     meta = json.loads(meta_path.read_text())
     results, frames = [], []
     for r in range(meta["world_size"]):
-        p = out / f"rank{r}.pkl"
-        if not p.exists():
-            raise ValueError(f"{out}: rank {r} of {meta['world_size']} wrote no result ({p.name} missing)")
-        o = cloudpickle.loads(p.read_bytes())
+        safe, pickled = out / f"rank{r}.pt", out / f"rank{r}.pkl"
+        if safe.exists():
+            o = loads_safe(safe.read_bytes())
+        elif pickled.exists():
+            if not allow_pickle:
+                raise ValueError(f"{out}: rank {r}'s result is a pickle ({pickled.name}: written with "
+                                 "--pickle-results); reading it runs code from the file. If you trust this folder, "
+                                 "call load_results(path, allow_pickle=True)")
+            o = cloudpickle.loads(pickled.read_bytes())
+        else:
+            raise ValueError(f"{out}: rank {r} of {meta['world_size']} wrote no result ({safe.name} missing)")
         t = tl.Timeline(r, o.get("offset_ns", 0))
-        t.events = o["events"]
+        t.events = [tuple(e) for e in o["events"]]
         frames.append(t.to_frame())
         results.append(o["result"])
     return LaunchResult(results, tl.concat(frames), meta["world_size"], meta["backend"], float("nan"))

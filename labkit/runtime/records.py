@@ -9,7 +9,10 @@ A record folder (``runs/records/<UTC stamp>_<experiment>_<id>/``) holds
 * ``<name>.csv`` — any further tables.
 
 Writes are atomic: everything goes into a hidden temporary folder that is renamed into place at the end,
-so an interrupted save leaves no half record (at most a ``.tmp-*`` folder that :func:`list_runs` ignores).
+so an interrupted save leaves no half record. A save that was killed leaves a ``.tmp-*`` folder, which
+:func:`list_runs` ignores and the next :func:`save`, :func:`load` or :func:`list_runs` under the same root
+removes once it is stale (:func:`remove_stale_temp`): its writer (host and pid recorded in ``.owner.json``)
+is gone, or it is older than :data:`STALE_TMP_S` whoever wrote it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,60 @@ from labkit.paths import repo_root, runs_dir
 from labkit.runtime.probes import cpu_cores
 
 RECORDS_SUBDIR = "records"
+STALE_TMP_S = 3600.0  # a record is written in well under a second: a temp folder this old is abandoned
+_OWNER = ".owner.json"
+_PROCESS_START = None
+
+
+def _process_start_time() -> float:
+    """Wall-clock time this process started (a temp folder older than that cannot be ours in progress)."""
+    global _PROCESS_START
+    if _PROCESS_START is None:
+        import time
+
+        try:
+            ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+            uptime = float(Path("/proc/uptime").read_text().split()[0])
+            _PROCESS_START = time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            _PROCESS_START = time.time()
+    return _PROCESS_START
+
+
+def remove_stale_temp(root: str | Path) -> list[Path]:
+    """Remove ``.tmp-*`` folders under ``root`` left by interrupted saves; returns what was removed.
+
+    Stale means: older than :data:`STALE_TMP_S`; or written on this host by a process that no longer runs (its
+    pid and start time in ``.owner.json``); or, without an owner file (older labkit), last changed before this
+    process started. A save in progress elsewhere is never touched."""
+    import time
+
+    from labkit.runtime.probes import pid_alive
+
+    root = Path(root)
+    removed = []
+    try:
+        entries = [d for d in root.iterdir() if d.name.startswith(".tmp-")]
+    except OSError:
+        return removed
+    host = socket.gethostname()
+    for d in entries:
+        try:
+            mtime = d.stat().st_mtime
+            stale = time.time() - mtime > STALE_TMP_S
+            if not stale:
+                owner_path = d / _OWNER
+                if owner_path.exists():
+                    owner = json.loads(owner_path.read_text())
+                    stale = owner.get("host") == host and not pid_alive(int(owner["pid"]), owner.get("start"))
+                else:
+                    stale = mtime < _process_start_time()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def git_identity(root: Path | None = None) -> dict:
@@ -127,11 +184,16 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
             timeline = getattr(result, "timeline", None)
     root = Path(root) if root is not None else runs_dir() / RECORDS_SUBDIR
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp(root)
     started = datetime.datetime.now(datetime.timezone.utc)
     name = f"{started.strftime('%Y%m%dT%H%M%S')}_{experiment}_{uuid.uuid4().hex[:6]}"
     tmp = root / f".tmp-{name}"
     tmp.mkdir()
     try:
+        from labkit.runtime.probes import process_start_ticks
+
+        (tmp / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                              "start": process_start_ticks(os.getpid())}))
         ident = identity(experiment, params, world_size=world_size, backend=backend, started=started)
         (tmp / "identity.json").write_text(json.dumps(ident, indent=2, default=str))
         if metrics is not None:
@@ -142,6 +204,7 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
             if not tname.replace("_", "").replace("-", "").isalnum() or tname in ("metrics", "timeline"):
                 raise ValueError(f"table name {tname!r} must be letters/digits/-/_ and not metrics/timeline")
             _frame(table).to_csv(tmp / f"{tname}.csv", index=False)
+        (tmp / _OWNER).unlink()
         final = root / name
         os.replace(tmp, final)  # atomic on one filesystem: the record appears whole or not at all
         return final
@@ -153,6 +216,7 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
 def load(path: str | Path) -> Record:
     """Read a record folder. Raises ValueError if it has no identity.json (not a record)."""
     path = Path(path)
+    remove_stale_temp(path.parent)
     ident_path = path / "identity.json"
     if not ident_path.exists():
         raise ValueError(f"{path} is not a run record (no identity.json)")
@@ -172,6 +236,7 @@ def list_runs(root: str | Path | None = None, experiment: str | None = None) -> 
     """One row per complete record under ``root`` (default runs/records), newest first: path, experiment,
     start_time, world_size, backend, host, git_sha, torch. Half-written ``.tmp-*`` folders are skipped."""
     root = Path(root) if root is not None else runs_dir() / RECORDS_SUBDIR
+    remove_stale_temp(root)
     rows = []
     for d in sorted(root.glob("*/identity.json")) if root.exists() else []:
         if d.parent.name.startswith(".tmp-"):

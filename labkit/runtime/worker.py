@@ -2,18 +2,25 @@
 
 Two entries:
 
-* ``python -m labkit.runtime.worker --spawned RUN_DIR RANK`` — started by :func:`labkit.runtime.launcher.launch`
-  (one fresh
-  interpreter per rank: the spawn start method). Reads the shipped function from RUN_DIR, writes its result
-  or its error back there.
-* ``torchrun ... -m labkit.runtime.worker MODULE:FUNCTION [--kwargs JSON] [--out DIR]`` — the same rank functions
-  under torchrun (single- or multi-node). Each rank writes ``DIR/rank<r>.pkl``;
-  :func:`labkit.runtime.launcher.load_results` reads them back as a LaunchResult.
+* ``rank_main([RUN_DIR, RANK])`` — started by :func:`labkit.runtime.launcher.launch` and
+  :class:`labkit.runtime.pool.Pool` under the launch supervisor (supervisor.py), as ``python -P -c BOOT``
+  (safepath.py: nothing is imported from the working directory). The rank creates its process group once,
+  then runs one job per line on its stdin (``{"job": DIR, "threads": N, "last": bool}``): it reads the shipped
+  function from ``RUN_DIR/DIR``, writes its result or its error back there, and — in a pool — checks the
+  group, resets itself (reset.py) and waits for the next job. A cold launch sends one job with ``last``.
+* ``torchrun ... -m labkit.runtime.worker MODULE:FUNCTION [--kwargs JSON] [--out DIR] [--pickle-results]`` —
+  the same rank functions under torchrun (single- or multi-node). Each rank writes ``DIR/rank<r>.pt`` (data
+  only, results.py); :func:`labkit.runtime.launcher.load_results` reads them back as a LaunchResult.
 
 In both, ``fn(ctx, *args, **kwargs)`` runs between ``init_process_group`` and ``destroy_process_group``.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # torchrun starts ranks as `python -m`: the working directory is on sys.path
+    from labkit.runtime.safepath import reexec_without_cwd
+
+    reexec_without_cwd("labkit.runtime.worker")
 
 import argparse
 import datetime
@@ -33,17 +40,14 @@ _COMM_ERROR_MARKERS = ("Connection closed by peer", "Connection reset by peer", 
 
 
 def _set_parent_death_signal(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans if the kernel is killed)."""
+    """Ask Linux to SIGKILL this process when its parent (the launch supervisor) dies."""
     if sys.platform != "linux":
         return
-    try:
-        import ctypes
+    from labkit.runtime.supervisor import PR_SET_PDEATHSIG, prctl
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
+    if not prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL)):
         return
-    if os.getppid() != parent_pid:  # parent already gone before prctl took effect
+    if parent_pid and os.getppid() != parent_pid:  # parent already gone before prctl took effect
         os._exit(1)
 
 
@@ -151,80 +155,175 @@ def _package(ctx, result) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------------
-# spawned by labkit.launch
+# started by labkit.launch / labkit.Pool (through the supervisor)
 # --------------------------------------------------------------------------------------------------
-def spawned_main(run_dir: str, rank: int) -> int:
-    run = Path(run_dir)
-    spec = json.loads((run / "spec.json").read_text())
-    _set_parent_death_signal(spec["parent_pid"])
-    stack_file = open(run / f"stack_{rank}.txt", "w")  # noqa: SIM115 - must stay open for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+def _write_error(path: Path, rank: int, exc: BaseException, where: str) -> None:
+    if isinstance(exc, SystemExit):
+        exc = RuntimeError(f"rank {rank} called sys.exit({exc.code!r}) in {where} instead of returning")
+    _atomic_write(path / f"error_{rank}.json", json.dumps(_error_record(rank, exc, where)).encode())
+
+
+def _enter_caller_path(spec: dict) -> None:
+    """The caller's sys.path (the working directory already removed, safepath.py) and working directory."""
     for p in reversed(spec["sys_path"]):
         if p not in sys.path:
             sys.path.insert(0, p)
+    try:
+        os.chdir(spec["cwd"])
+    except (OSError, KeyError):
+        pass
+
+
+def rank_main(argv: list[str]) -> int:
+    run, rank = Path(argv[0]), int(argv[1])
+    spec = json.loads((run / "spec.json").read_text())
+    _set_parent_death_signal(int(os.environ.get("LABKIT_SUPERVISOR_PID") or 0))
+    stack_file = open(run / f"stack_{rank}.txt", "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    _enter_caller_path(spec)
     world_size, backend, timeout_s = spec["world_size"], spec["backend"], spec["timeout_s"]
     where = "importing torch"
-    ctx = None
     try:
-        import cloudpickle
         import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(spec["threads"])
         where = "rendezvous"
         store = _rendezvous(run, rank, world_size, timeout_s)
         _init_group(backend, rank, world_size, rank, timeout_s, store=store)
+        from labkit.runtime.reset import Baseline
+
+        baseline = Baseline(spec["threads"])
+        (run / f"ready_{rank}").touch()
+    except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        _write_error(run, rank, e, where)
+        return 1
+    for line in sys.stdin:
+        try:
+            job = json.loads(line)
+        except ValueError:
+            continue
+        if job.get("exit"):
+            break
+        status = _run_job(run / job["job"], rank, world_size, backend, job, baseline)
+        if status is not None:
+            return status
+    _destroy_group()
+    return 0
+
+
+def _run_job(job_dir: Path, rank: int, world_size: int, backend: str, job: dict, baseline) -> int | None:
+    """One run. Returns None to wait for the next job, else this process's exit status."""
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+
+    where = "unpickling the shipped function"
+    stack_file = open(job_dir / f"stack_{rank}.txt", "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        torch.set_num_threads(int(job.get("threads") or baseline.threads))
         ctx = _make_context(rank, world_size, rank, world_size, 0, backend)
-        where = "unpickling the shipped function"
-        payload = cloudpickle.loads((run / "payload.pkl").read_bytes())
+        payload = cloudpickle.loads((job_dir / "payload.pkl").read_bytes())
         where = "the rank function"
-        (run / f"started_{rank}").touch()  # lets the launcher tell a slow start-up from a hang
+        (job_dir / f"started_{rank}").touch()  # lets the launcher tell a slow start-up from a hang
         result = payload["fn"](ctx, *payload["args"], **payload["kwargs"])
         where = "pickling the result"
         blob = _package(ctx, result)
-        _atomic_write(run / f"result_{rank}.pkl", blob)
-        where = "destroying the process group"
-        _finish_group(ctx)
-        del dist
-        return 0
-    except SystemExit as e:
-        err = RuntimeError(f"rank {rank} called sys.exit({e.code!r}) in {where} instead of returning")
-        _atomic_write(run / f"error_{rank}.json", json.dumps(_error_record(rank, err, where)).encode())
-        return 1
+        _atomic_write(job_dir / f"result_{rank}.pkl", blob)
+        del payload, result, blob
+        if job.get("last"):
+            where = "destroying the process group"
+            _finish_group(ctx)
+            return 0
+        where = "checking the process group after the run"
+        if not dist.is_initialized():
+            (job_dir / f"broken_{rank}").write_text("the run destroyed the default process group")
+            return 0
+        ctx.barrier()  # every rank is past the run's collectives before the next run starts
+        del ctx
+        where = "resetting the rank for the next run"
+        baseline.restore()
+        (job_dir / f"idle_{rank}").touch()
+        return None
     except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
-        _atomic_write(run / f"error_{rank}.json", json.dumps(_error_record(rank, e, where)).encode())
+        _write_error(job_dir, rank, e, where)
         return 1
+    finally:
+        stack_file.close()
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _rendezvous(run: Path, rank: int, world_size: int, timeout_s: float):
-    """Rank 0 hosts a TCPStore on a free port (port 0: the OS picks one, so concurrent launches never
-    collide) and publishes the port in RUN_DIR; the other ranks read it and connect."""
-    import torch.distributed as dist
+    """Rank 0 hosts a TCPStore on a loopback socket it bound itself (port 0: the OS picks one, so concurrent
+    launches never collide; rendezvous.py says why torch must be handed the socket) and publishes the port in
+    RUN_DIR; the other ranks read it and connect."""
+    from labkit.runtime.rendezvous import client_store, master_store
 
-    td = datetime.timedelta(seconds=timeout_s)
     port_file = run / "port"
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=td, wait_for_workers=False)
-        _atomic_write(port_file, str(store.port).encode())
+        store, port = master_store("127.0.0.1", 0, world_size, timeout_s)
+        _atomic_write(port_file, str(port).encode())
         return store
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {rank}: rank 0 did not publish its store port within {timeout_s} s")
         time.sleep(0.005)
-    return dist.TCPStore("127.0.0.1", int(port_file.read_text()), world_size, False, timeout=td)
+    return client_store("127.0.0.1", int(port_file.read_text()), world_size, timeout_s)
 
 
 # --------------------------------------------------------------------------------------------------
 # under torchrun
 # --------------------------------------------------------------------------------------------------
+def _torchrun_store(rank: int, world_size: int, timeout_s: float):
+    """None under torchrun (its agent hosts the store); otherwise (``MASTER_ADDR``/``MASTER_PORT`` set by hand
+    or by srun) a store whose server, on rank 0, listens on ``MASTER_ADDR`` only (rendezvous.py)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    from labkit.runtime.rendezvous import client_store, master_store
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        return master_store(host, port, world_size, timeout_s)[0]
+    return client_store(host, port, world_size, timeout_s)
+
+
+def _write_torchrun_result(out: Path, rank: int, ctx, result, allow_pickle: bool) -> str:
+    """``rank<r>.pt`` (data only, results.py), or ``rank<r>.pkl`` with ``--pickle-results``. Returns the format."""
+    from labkit.runtime.results import PICKLE_FORMAT, SAFE_FORMAT, dumps_safe
+
+    record = {"result": result, "events": ctx.timeline.events, "offset_ns": ctx.timeline.offset_ns}
+    try:
+        blob = dumps_safe(record)
+    except TypeError as e:
+        if not allow_pickle:
+            raise TypeError(
+                f"rank {rank} returned a value of type {type(result).__name__} that is {e}: torchrun results are "
+                "stored as data (torch.save, read back with weights_only=True, so reading a shared folder runs no "
+                "code). Return dicts, lists, numbers, strings, tensors or NumPy arrays, or pass --pickle-results "
+                "(then read with load_results(DIR, allow_pickle=True), only for folders you trust)") from None
+        _atomic_write(out / f"rank{rank}.pkl", _package(ctx, result))
+        return PICKLE_FORMAT
+    _atomic_write(out / f"rank{rank}.pt", blob)
+    return SAFE_FORMAT
+
+
 def torchrun_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m labkit.runtime.worker",
                                  description="Run a labkit rank function under torchrun.")
     ap.add_argument("function", help="MODULE:FUNCTION, called as fn(ctx, **kwargs)")
     ap.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments")
-    ap.add_argument("--out", default=None, help="folder for rank<r>.pkl results (default runs/torchrun-<stamp>)")
+    ap.add_argument("--out", default=None, help="folder for rank<r>.pt results (default runs/torchrun-<stamp>)")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout in seconds")
+    ap.add_argument("--pickle-results", action="store_true",
+                    help="allow results that are not plain data (DataFrames, your classes): stored with pickle, "
+                         "read with load_results(DIR, allow_pickle=True) — only for folders you trust")
     args = ap.parse_args(argv)
     missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -237,7 +336,11 @@ def torchrun_main(argv: list[str]) -> int:
             raise ValueError(f"--kwargs must be a JSON object like '{{\"steps\": 2}}', got {args.kwargs!r}")
         fn = resolve_function(args.function)
     except ValueError as e:
-        print(f"labkit.runtime.worker: {e}", file=sys.stderr)
+        hint = ""
+        if "cannot import module" in str(e):
+            hint = ("; the working directory is not on the ranks' path (a planted file there must not run): put "
+                    "your module's folder on PYTHONPATH, e.g. PYTHONPATH=$PWD torchrun ...")
+        print(f"labkit.runtime.worker: {e}{hint}", file=sys.stderr)
         return 2
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -249,10 +352,18 @@ def torchrun_main(argv: list[str]) -> int:
 
     from labkit.runtime.rank import cpu_threads_per_rank, estimate_clock_offsets
 
+    if n_nodes == 1:  # one host: the backends need nothing beyond loopback (rendezvous.py)
+        from labkit.runtime.rendezvous import loopback_interface
+
+        lo = loopback_interface()
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if lo and var not in os.environ:
+                os.environ[var] = lo
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "gloo"
     if backend == "gloo":
         torch.set_num_threads(cpu_threads_per_rank(local_world_size))
-    _init_group(backend, rank, world_size, local_rank, args.timeout_s)
+    _init_group(backend, rank, world_size, local_rank, args.timeout_s,
+                store=_torchrun_store(rank, world_size, args.timeout_s))
     ctx = _make_context(rank, world_size, local_rank, local_world_size, node_rank, backend)
     if n_nodes > 1 or os.environ.get("LABKIT_CLOCK_SYNC") == "1":
         ctx.clock_offset_ns = estimate_clock_offsets(ctx)
@@ -268,16 +379,15 @@ def torchrun_main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         result = fn(ctx, **kwargs)
-        blob = _package(ctx, result)
+        fmt = _write_torchrun_result(out, rank, ctx, result, args.pickle_results)
     except BaseException as e:
         rec = _error_record(rank, e, "the rank function")
         _atomic_write(out / f"error_{rank}.json", json.dumps(rec).encode())
         print(f"[rank {rank}] failed:\n{rec['traceback']}", file=sys.stderr, flush=True)
         raise
-    _atomic_write(out / f"rank{rank}.pkl", blob)
     if rank == 0:
         meta = {"world_size": world_size, "backend": backend, "function": args.function, "kwargs": kwargs,
-                "n_nodes": n_nodes, "host": socket.gethostname()}
+                "n_nodes": n_nodes, "host": socket.gethostname(), "format": fmt}
         _atomic_write(out / "meta.json", json.dumps(meta).encode())
         print(f"labkit.runtime.worker: results of {world_size} ranks in {out}", flush=True)
     _finish_group(ctx)
@@ -286,8 +396,6 @@ def torchrun_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--spawned"]:
-        return spawned_main(argv[1], int(argv[2]))
     return torchrun_main(argv)
 
 
