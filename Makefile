@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run test test-fast lab lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
@@ -24,7 +24,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check labkit tests benchmarks
