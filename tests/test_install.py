@@ -64,7 +64,8 @@ def test_notebooks_command_writes_a_lab_home(clean_env, monkeypatch):
     dest = clean_env / "lab"
     done = write_lab(dest)
     chapters = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    assert sorted(p.name for p in (dest / "notebooks").glob("*.ipynb")) == chapters and done["notebooks"] == len(chapters)
+    assert sorted(p.name for p in (dest / "notebooks").glob("*.ipynb")) == chapters
+    assert done["notebooks"] == len(chapters)
     for name in ("models.yaml", "hardware.yaml"):
         assert (dest / "data" / name).read_bytes() == (ROOT / "data" / name).read_bytes()
     assert (dest / "data" / "reference").is_dir()
@@ -112,7 +113,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
                    capture_output=True, timeout=300)
     (wheel,) = wheels.glob("labkit-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for must in ("labkit/_data/models.yaml", "labkit/_data/hardware.yaml", "labkit/_notebooks/00_getting_started.ipynb"):
+    for must in ("labkit/_data/models.yaml", "labkit/_data/hardware.yaml",
+                 "labkit/_notebooks/00_getting_started.ipynb"):
         assert must in names, f"{must} missing from the wheel"
     assert not [n for n in names if n.startswith(("data/", "notebooks/"))]
 
