@@ -118,7 +118,8 @@ def wrap_title(text: str, width: int = 72) -> str:
     lines = textwrap.wrap(head, width) or [head]
     title = "<br>".join(lines)
     if rest:
-        title += "<br><span style='font-size:0.8em'>" + "<br>".join(textwrap.wrap(rest, int(width * 1.2))) + "</span>"
+        sub = [ln for part in rest.split("; ") for ln in (textwrap.wrap(part, int(width * 1.2)) or [part])]
+        title += "<br><span style='font-size:0.8em'>" + "<br>".join(sub) + "</span>"
     return title
 
 
@@ -128,8 +129,9 @@ def _layout(fig: go.Figure, title: str | None, *, n_title_lines: int | None = No
     if title is not None:
         text = wrap_title(title)
         lines = n_title_lines or text.count("<br>") + 1
-        fig.update_layout(title={"text": text, "x": 0.01, "xanchor": "left", "y": 0.98, "yanchor": "top",
-                                 "yref": "container"}, margin={"t": 40 + 22 * lines})
+        fig.update_layout(title={"text": text, "x": 0.01, "xanchor": "left", "xref": "container", "y": 1,
+                                 "yanchor": "bottom", "yref": "paper", "automargin": True, "pad": {"b": 12}},
+                          margin={"t": 30 + 22 * lines})
     if legend_below:
         fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.18, "x": 0, "xanchor": "left",
                                   "font": {"size": 11}, "title": {"text": ""}}, margin={"b": 90})

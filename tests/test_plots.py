@@ -56,7 +56,8 @@ def test_every_fixed_colour_is_distinct():
 
 
 @pytest.mark.parametrize("label, kind", [
-    ("measured", "measured"), ("predicted (alpha-beta)", "predicted"), ("emulated (h100-ib, as llama-3-70b)", "emulated"),
+    ("measured", "measured"), ("predicted (alpha-beta)", "predicted"),
+    ("emulated (h100-ib, as llama-3-70b)", "emulated"),
     ("published (nccl-tests#290)", "published"), ("fit", "fit"), ("all_reduce n=2 (gloo, measured)", "measured"),
     ("ideal n/n0 (predicted)", "predicted"), ("compute", None)])
 def test_one_colour_per_label_kind(label, kind):

@@ -280,7 +280,8 @@ def load_published(kind: str, root: str | Path | None = None) -> pd.DataFrame:
     for col in required:
         empty = df[col].isna() if col in df.columns else pd.Series(True, index=df.index)
         if empty.any():
-            raise ValueError(f"{path.name}: column {col!r} is empty in row(s) {[int(i) + 2 for i in df.index[empty]][:5]} "
+            lines = [int(i) + 2 for i in df.index[empty]][:5]
+            raise ValueError(f"{path.name}: column {col!r} is empty in row(s) {lines} "
                              "(file line numbers); every published row needs it")
     df.insert(0, "label", "published (" + df["source"] + ")")
     df.attrs["status"] = f"published: {len(df)} rows from {df['source'].nunique()} sources ({path.name})"

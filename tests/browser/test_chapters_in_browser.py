@@ -25,6 +25,7 @@ SHOTS = ROOT / "runs" / "browser"
 CHAPTERS = ["01_memory_budgets.ipynb", "06_pipeline_parallel.ipynb", "09_composing_meshes.ipynb"]
 CHAPTER_TIMEOUT_S = 420
 PLOTLY = "application/vnd.plotly.v1+json"
+ROOTS: dict[str, Path] = {}  # the lab's URL -> the folder it serves
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed: "
@@ -66,8 +67,9 @@ def lab(tmp_path_factory):
     SHOTS.mkdir(parents=True, exist_ok=True)
     with jupyter_lab(root, work / "settings", log=SHOTS / "jupyterlab.log") as url, \
             playwright_api.sync_playwright() as pw:
+        ROOTS[url] = root
         ctx = pw.chromium.launch_persistent_context(str(work / "user-data"), executable_path=chromium, headless=True,
-                                                    args=CHROMIUM_FLAGS, viewport={"width": 1280, "height": 860})
+                                                    args=CHROMIUM_FLAGS, viewport=VIEWPORT)
         try:
             yield url, ctx
         finally:
@@ -103,6 +105,23 @@ def _run_all(page, url: str, name: str) -> float:
     return time.monotonic() - t0
 
 
+VIEWPORT = {"width": 1280, "height": 860}
+
+
+def _shot(page, el, path: Path) -> None:
+    """A screenshot of one output; the window grows for the shot when the output is taller than it (a
+    JupyterLab notebook scrolls inside its panel, so a tall output would otherwise be cut at the panel)."""
+    el.scroll_into_view_if_needed()
+    box = el.bounding_box() or {"height": 0}
+    tall = box["height"] + 250 > VIEWPORT["height"]
+    if tall:
+        page.set_viewport_size({"width": VIEWPORT["width"], "height": int(box["height"]) + 300})
+        el.scroll_into_view_if_needed()
+    el.screenshot(path=str(path))
+    if tall:
+        page.set_viewport_size(VIEWPORT)
+
+
 def _shoot(page, name: str) -> Path:
     """Screenshots of the first screen and of every figure, widget and table output; returns the folder."""
     folder = SHOTS / Path(name).stem
@@ -119,8 +138,7 @@ def _shoot(page, name: str) -> Path:
                            "(e.querySelector('table') ? 'table' : ''))")
         if kind:
             k += 1
-            el.scroll_into_view_if_needed()
-            el.screenshot(path=str(folder / f"{k:02d}_{kind}.png"))
+            _shot(page, el, folder / f"{k:02d}_{kind}.png")
     return folder
 
 
@@ -181,8 +199,7 @@ def _move_dropdown(page, description: str, folder: Path) -> None:
     before = _panel_text(panel)
     select.select_option(label=target)
     _wait_change(panel, before, f"dropdown {description!r}: {current} -> {target}")
-    panel.scroll_into_view_if_needed()
-    panel.screenshot(path=str(folder / f"moved_{description.replace(' ', '_')}.png"))
+    _shot(page, panel, folder / f"moved_{description.replace(' ', '_')}.png")
 
 
 def _move_slider(page, description: str, folder: Path) -> None:
@@ -193,8 +210,7 @@ def _move_slider(page, description: str, folder: Path) -> None:
     handle.focus()
     handle.press("ArrowLeft")
     _wait_change(panel, before, f"slider {description!r}")
-    panel.scroll_into_view_if_needed()
-    panel.screenshot(path=str(folder / f"moved_{description.replace(' ', '_')}.png"))
+    _shot(page, panel, folder / f"moved_{description.replace(' ', '_')}.png")
 
 
 MOVES = {"01_memory_budgets.ipynb": [(_move_dropdown, "model")],
@@ -220,4 +236,49 @@ def test_chapter_runs_and_renders_in_a_browser(lab, name):
             page.evaluate(f"() => {_NB} && {_NB}.sessionContext ? {_NB}.sessionContext.shutdown() : null")
         except Exception:  # noqa: BLE001 - a broken page must not hide the test's own error
             pass
+        page.close()
+
+
+GALLERY = [
+    "import pandas as pd\nfrom labkit import plots\nfrom labkit.runtime.records import load_published",
+    # an overlapped step: each rank's all-reduce runs while it computes (the comm lane shows what is hidden)
+    "rows = []\nfor r in range(2):\n"
+    "    for name, kind, s, e in [('forward', 'compute', 0, 40), ('backward', 'compute', 40, 120),\n"
+    "                             ('all_reduce', 'comm', 60, 130), ('optim', 'other', 130, 140)]:\n"
+    "        rows.append(dict(rank=r, name=name, kind=kind, start_ns=(s + 3 * r) * 10**6, end_ns=(e + 3 * r) * 10**6,\n"
+    "                         step=0, microbatch=-1, stage=-1, nbytes=0))\n"
+    "plots.timeline_figure(pd.DataFrame(rows), title='Overlapped step (synthetic): the all-reduce runs under the "
+    "backward pass — its lane shows 50 ms hidden, 10 ms exposed')",
+    "sweep = pd.DataFrame({'op': 'all_reduce', 'bytes': [2**k for k in range(10, 27, 2)], 'world_size': 2,\n"
+    "                      'backend': 'gloo', 'flag': ''})\n"
+    "sweep['busbw_gbps'] = sweep['bytes'] / (2e-4 + sweep['bytes'] / 2e9) / 1e9\n"
+    "plots.add_published_busbw(plots.bandwidth_figure(sweep, title='busbw: a laptop (synthetic) beside published "
+    "GPU clusters'), ops=['all_reduce'])",
+    "plots.published_training_figure(measured=pd.DataFrame({'world_size': [1, 2, 4], 'mfu': [0.21, 0.2, 0.18]}))",
+    "plots.wide_table(load_published('training'), ['label', 'model', 'gpus', 'tp', 'pp', 'dp', 'tflops_per_gpu', "
+    "'mfu'], caption='Published training runs (key columns; all columns below)')",
+]
+
+
+def test_lab_figures_render_in_a_browser(lab):
+    """The lab's own figures on synthetic and published data (the overlap lane, the published overlays, a wide
+    table) run and render as a reader sees them."""
+    import nbformat
+
+    url, ctx = lab
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in GALLERY]
+    name = "lab_figures.ipynb"
+    nbformat.write(nb, str(ROOTS[url] / name))
+    page = ctx.new_page()
+    try:
+        _run_all(page, url, name)
+        counts = _check_rendered(page, name)
+        assert counts["plotly"] == 3 and counts["drawn"] >= 3
+        assert page.locator(".jp-OutputArea-output details").count() == 1  # the wide table's full view
+        _shoot(page, name)
+    except Exception:
+        page.screenshot(path=str(SHOTS / "lab_figures_failure.png"))
+        raise
+    finally:
         page.close()
