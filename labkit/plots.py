@@ -234,7 +234,7 @@ def timeline_figure(df: pd.DataFrame, *, color_by: str = "kind", title: str = "P
         text = g[label].astype(str).where(g[label] >= 0, "") if label is not None else None
         fig.add_trace(go.Bar(
             y=g["lane"], x=g["dur_s"] * 1e3, base=g["start_s"] * 1e3, orientation="h",
-            name=str(key), marker_color=colors[key], marker_line={"width": 0.5, "color": "white"}, text=text,
+            name=words(str(key)), marker_color=colors[key], marker_line={"width": 0.5, "color": "white"}, text=text,
             textposition="inside", insidetextanchor="middle",
             customdata=g[["name", "kind", "step", "microbatch", "stage", "nbytes"]].to_numpy(),
             hovertemplate=("%{customdata[0]} (%{customdata[1]})<br>start %{base:.3f} ms, %{x:.3f} ms<br>"
@@ -250,7 +250,8 @@ def timeline_figure(df: pd.DataFrame, *, color_by: str = "kind", title: str = "P
         height=height or TIMELINE_BASE_PX + TIMELINE_LANE_PX * max(1, len(lanes)),
     )
     _layout(fig, title)
-    fig.update_layout(legend={"title": {"text": words(color_by) + ":  "}, "y": -0.25 if len(lanes) < 4 else -0.15,
+    legend_title = {"name": "event", "kind": "kind"}.get(color_by, words(color_by))
+    fig.update_layout(legend={"title": {"text": legend_title + ":  "}, "y": -0.25 if len(lanes) < 4 else -0.15,
                               "traceorder": "normal"})
     return fig
 
@@ -447,17 +448,26 @@ def add_published_busbw(fig: go.Figure, rows: pd.DataFrame | None = None, *, ops
         g = g.sort_values("bytes")
         where = f"{int(n)} x {g['gpu'].iloc[0]}" if pd.notna(n) else g["gpu"].iloc[0]
         fig.add_trace(go.Scatter(
-            x=g["bytes"].astype(float), y=g["value"], mode="lines+markers", name=f"{g['label'].iloc[0]}: {op}, {where}",
+            x=g["bytes"].astype(float), y=g["value"], mode="lines+markers",
+            name=f"{g['label'].iloc[0]}: {words(op)}, {where}",
             line={"color": color, "dash": LABEL_DASH["published"], "width": 1.5},
             marker={"symbol": symbols[src], "size": 7, "color": color},
             customdata=g[["interconnect", "url", "note"]].to_numpy(),
             hovertemplate=("%{x:.3s} B: %{y:.1f} GB/s<br>%{customdata[0]}<br>%{customdata[1]}"
                            f"<extra>published ({src})</extra>")))
-    if peaks:
-        for _, row in r[r["bytes"].isna()].iterrows():
-            fig.add_hline(y=row["value"], line={"color": color, "dash": "dot", "width": 1},
-                          annotation={"text": f"{row['op']} {row['value']:g} GB/s, {row['gpu']} ({row['source']})",
-                                      "font": {"size": 9, "color": color}}, annotation_position="top left")
+    if peaks:  # a figure given without a size: a short level mark right of every size on the figure
+        xs = [float(v) for tr in fig.data for v in (tr.x if tr.x is not None else ()) if isinstance(v, (int, float))]
+        right = max(xs) if xs else 2.0**34
+        for (src, op), g in r[r["bytes"].isna()].groupby(["source", "op"], sort=False):
+            for i, (_, row) in enumerate(g.iterrows()):
+                fig.add_trace(go.Scatter(
+                    x=[right * 2, right * 8], y=[row["value"]] * 2, mode="lines+markers",
+                    name=f"{row['label']}: {words(op)} peak, size not stated", legendgroup=f"{src}{op}",
+                    showlegend=i == 0, line={"color": color, "dash": "dot", "width": 2},
+                    marker={"symbol": symbols[src], "size": 7, "color": color},
+                    hovertemplate=(f"{words(op)} {row['value']:g} GB/s, {row['gpu']}, {row['interconnect']}<br>"
+                                   f"{row['what']}<br>{row['url']}<extra>{row['label']}</extra>")))
+    fig.update_layout(height=max(fig.layout.height or 450, 380 + 22 * len(fig.data)))
     return fig
 
 

@@ -101,37 +101,49 @@ def words(name: str) -> str:
     return " ".join(_WORDS.get(part, part) for part in text.split("_") if part)
 
 
-def wrap_title(text: str, width: int = 72) -> str:
-    """A title that fits: when ``text`` is longer than ``width`` characters, what follows its first
-    " — ", "; " or ": " (past the first 15 characters) becomes a smaller second line, and any line still longer
-    is wrapped at word boundaries (plotly draws ``<br>``). Key numbers are never cut off."""
+def split_title(text: str, width: int = 72) -> tuple[str, str]:
+    """``(title, subtitle)`` of a long title: what follows its first " — ", "; ", ": ", " (" or ", " (past the first
+    15 characters) becomes the subtitle; each part is wrapped at word boundaries (``<br>``), the subtitle's
+    "; "-separated parts on lines of their own. A title up to ``width`` characters stays whole."""
     import textwrap
 
     if len(text) <= width or "<br>" in text:
-        return text
+        return text, ""
     head, rest = text, ""
     for sep in (" — ", "; ", ": ", " (", ", "):
         i = text.find(sep, 15)
         if 0 < i <= width:
             head, rest = text[:i], text[i + len(sep):] if sep != " (" else text[i + 1:]
             break
-    lines = textwrap.wrap(head, width) or [head]
-    title = "<br>".join(lines)
-    if rest:
-        sub = [ln for part in rest.split("; ") for ln in (textwrap.wrap(part, int(width * 1.2)) or [part])]
-        title += "<br><span style='font-size:0.8em'>" + "<br>".join(sub) + "</span>"
-    return title
+    main = "<br>".join(textwrap.wrap(head, width) or [head])
+    sub = "<br>".join(ln for part in rest.split("; ") for ln in (textwrap.wrap(part, int(width * 1.2)) or [part]))
+    return main, sub
+
+
+def wrap_title(text: str, width: int = 72) -> str:
+    """A title that fits, as one string: :func:`split_title`'s title, then its subtitle in a smaller font on the
+    lines below (plotly draws ``<br>``). Key numbers are never cut off."""
+    main, sub = split_title(text, width)
+    return main + (f"<br><span style='font-size:0.8em'>{sub}</span>" if sub else "")
+
+
+def _has_subtitle() -> bool:
+    return "subtitle" in go.layout.Title()._valid_props
 
 
 def _layout(fig: go.Figure, title: str | None, *, n_title_lines: int | None = None,
             legend_below: bool = True) -> go.Figure:
     """The lab's layout: a left-aligned wrapped title with room above the plot, a horizontal legend under it."""
     if title is not None:
-        text = wrap_title(title)
-        lines = n_title_lines or text.count("<br>") + 1
-        fig.update_layout(title={"text": text, "x": 0.01, "xanchor": "left", "xref": "container", "y": 1,
-                                 "yanchor": "bottom", "yref": "paper", "automargin": True, "pad": {"b": 12}},
-                          margin={"t": 30 + 22 * lines})
+        main, sub = split_title(title)
+        layout = {"x": 0.01, "xanchor": "left", "xref": "container", "y": 0.98, "yanchor": "top",
+                  "yref": "container", "automargin": True}
+        if sub and _has_subtitle():  # plotly >= 5.24 draws a subtitle under the title, both above the plot
+            fig.update_layout(title={"text": main, "subtitle": {"text": sub, "font": {"size": 12}}, **layout})
+        else:
+            fig.update_layout(title={"text": wrap_title(title), **layout})
+        lines = (main + "<br>" + sub).count("<br>") + 1 if sub else main.count("<br>") + 1
+        fig.update_layout(margin={"t": 40 + 20 * (n_title_lines or lines)})
     if legend_below:
         fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.18, "x": 0, "xanchor": "left",
                                   "font": {"size": 11}, "title": {"text": ""}}, margin={"b": 90})

@@ -31,7 +31,7 @@ def test_timeline_is_tall_enough_with_a_horizontal_legend_of_every_key(ranks):
     assert fig.layout.height >= 300 + 40 * ranks
     assert fig.layout.legend.orientation == "h"
     names = [t.name for t in fig.data]
-    assert sorted(names) == sorted({"F", "B", "all_reduce", "recv", "idle", "optim"})
+    assert sorted(names) == sorted({"F", "B", "all reduce", "recv", "idle", "optim"})
     colors = [t.marker.color for t in fig.data]
     assert len(set(colors)) == len(colors), "every event name needs its own colour"
 
@@ -81,7 +81,9 @@ def test_long_titles_wrap_and_keep_their_numbers():
     assert max(len(re.sub("<[^>]+>", "", line)) for line in text.split("<br>")) <= 72
     assert style.wrap_title("short") == "short"
     fig = plots.timeline_figure(_timeline(2), title=title)
-    assert "<br>" in fig.layout.title.text and fig.layout.margin.t >= 60
+    shown = fig.layout.title.text + str(fig.layout.title.subtitle.text or "")
+    assert "0.2143" in shown and "0.2000" in shown and fig.layout.margin.t >= 60
+    assert fig.layout.title.automargin and len(fig.layout.title.text) <= 72
 
 
 def test_words_and_tidy_remove_snake_case():
@@ -111,7 +113,7 @@ def test_published_busbw_overlay():
     added = fig.data[n:]
     assert added and all(t.name.startswith("published (") for t in added)
     assert {t.line.color for t in added} == {style.LABEL_COLORS["published"]}
-    assert fig.layout.shapes, "peaks without a size are drawn as horizontal lines"
+    assert any("peak, size not stated" in t.name for t in added), "figures given without a size get a level mark"
     assert not SNAKE.search(fig.data[0].name)  # "all reduce n=2 (gloo, measured)"
     with pytest.raises(ValueError, match="no published busbw rows"):
         plots.add_published_busbw(go.Figure(), ops=["scatter"])

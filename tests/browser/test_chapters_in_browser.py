@@ -268,6 +268,7 @@ def test_lab_figures_render_in_a_browser(lab):
     url, ctx = lab
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in GALLERY]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     name = "lab_figures.ipynb"
     nbformat.write(nb, str(ROOTS[url] / name))
     page = ctx.new_page()
