@@ -544,7 +544,7 @@ class WideTable:
         return self.full[self.key]
 
     def _html(self, df: pd.DataFrame) -> str:
-        return df.rename(columns=words).to_html(float_format=lambda v: f"{v:,.4g}", border=0)
+        return df.rename(columns=words).to_html(float_format=lambda v: f"{v:,.4g}", border=0, na_rep="—")
 
     def _repr_html_(self) -> str:
         n_more = self.full.shape[1] - len(self.key)

@@ -89,7 +89,8 @@ def install_defaults() -> None:
 # ======================================================================================================
 _WORDS = {"busbw": "bus bandwidth", "algbw": "algorithm bandwidth", "mfu": "MFU", "tps": "tokens/s",
           "ttft": "time to first token", "kv": "KV", "dp": "DP", "tp": "TP", "pp": "PP", "cp": "CP", "ep": "EP",
-          "gbps": "GB/s", "s": "(s)", "ms": "(ms)", "ns": "(ns)", "pct": "%", "n": "n", "id": "ID"}
+          "gbps": "GB/s", "tflops": "TFLOP/s", "gpu": "GPU", "gpus": "GPUs", "s": "(s)", "ms": "(ms)",
+          "ns": "(ns)", "pct": "%", "n": "n", "id": "ID"}
 
 
 def words(name: str) -> str:

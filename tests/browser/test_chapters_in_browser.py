@@ -189,13 +189,14 @@ def _wait_change(panel, before: str, what: str) -> None:
         time.sleep(0.5)
 
 
-def _move_dropdown(page, description: str, folder: Path) -> None:
+def _move_dropdown(page, description: str, folder: Path, prefer: str | None = None) -> None:
     panel = _panel_with(page, description)
     select = panel.locator(".widget-dropdown", has=page.locator(".widget-label", has_text=description)).locator(
         "select").first
     options = select.evaluate("s => [...s.options].map(o => o.textContent)")
     current = select.evaluate("s => s.options[s.selectedIndex].textContent")
-    target = next(o for o in options if o != current and o.strip())
+    others = [o for o in options if o != current and o.strip()]
+    target = prefer if prefer in others else others[0]
     before = _panel_text(panel)
     select.select_option(label=target)
     _wait_change(panel, before, f"dropdown {description!r}: {current} -> {target}")
@@ -213,7 +214,7 @@ def _move_slider(page, description: str, folder: Path) -> None:
     _shot(page, panel, folder / f"moved_{description.replace(' ', '_')}.png")
 
 
-MOVES = {"01_memory_budgets.ipynb": [(_move_dropdown, "model")],
+MOVES = {"01_memory_budgets.ipynb": [(lambda page, d, f: _move_dropdown(page, d, f, prefer="llama-3-8b"), "model")],
          "09_composing_meshes.ipynb": [(_move_slider, "GPUs")]}
 
 
