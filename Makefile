@@ -5,9 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lab lint bench clean
+.PHONY: install run test test-fast test-browser gpu-check lab lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
@@ -23,8 +23,18 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
+# the real-browser test: JupyterLab headless + Playwright on Debian's Chromium (apt-get install -y chromium);
+# installs the [browser] extra into .venv first; screenshots land in runs/browser/
+test-browser: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[browser]"
+	LABKIT_BROWSER=1 $(PY) -m pytest -q tests/browser $(ARGS)
+
+# the GPU check on this machine's own python3 and CUDA torch (nothing installed; skips where no GPU)
+gpu-check:
+	PYTHONPATH=. python3 -m labkit.gpu_check $(ARGS)
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check labkit tests benchmarks

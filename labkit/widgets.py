@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import plotly.graph_objects as go
 
 from labkit.checks import check_choice, positive_int
+from labkit.style import LABEL_COLORS, _layout, install_defaults, words, wrap_title
 from labkit.theory import memory as mem
 
 #: one colour per memory category, shared by every memory figure
@@ -35,6 +36,17 @@ CATEGORY_COLORS = {
     "temporary": "#54A24B", "communication": "#EECA3B", "kv_cache": "#B279A2", "workspace": "#9D755D",
     "headroom": "#BAB0AC",
 }
+install_defaults()
+
+#: memory categories as a reader names them
+_CATEGORY_NAMES = {"kv_cache": "KV cache"}
+
+
+def category_name(cat: str) -> str:
+    """``"kv_cache"`` -> ``"KV cache"``: a memory category of :data:`labkit.theory.memory.CATEGORIES` in words."""
+    return _CATEGORY_NAMES.get(cat, words(cat))
+
+
 _UNIT = {"GiB": mem.GiB, "MiB": 2**20, "KiB": 2**10, "bytes": 1}
 
 
@@ -86,14 +98,13 @@ def memory_bars(budgets: Mapping[str, mem.MemoryEstimate | Mapping[str, int]], *
         ys = [cats[lab].get(cat, 0) / div for lab in labels]
         if not any(ys):
             continue
-        fig.add_trace(go.Bar(name=cat, x=labels, y=ys, marker_color=CATEGORY_COLORS[cat],
-                             hovertemplate=f"{cat}: %{{y:.3f}} {unit}<extra>%{{x}}</extra>"))
+        fig.add_trace(go.Bar(name=category_name(cat), x=labels, y=ys, marker_color=CATEGORY_COLORS[cat],
+                             hovertemplate=f"{category_name(cat)}: %{{y:.3f}} {unit}<extra>%{{x}}</extra>"))
     if device_bytes:
         fig.add_hline(y=device_bytes / div, line_dash="dash", line_color="black",
                       annotation_text=f"device {device_bytes / div:.1f} {unit}")
-    fig.update_layout(barmode="stack", title=title, yaxis_title=f"{unit} per rank", height=height,
-                      legend_title="category")
-    return fig
+    fig.update_layout(barmode="stack", yaxis_title=f"{unit} per rank", height=height)
+    return _layout(fig, title)
 
 
 def measured_vs_predicted(measured: Mapping[str, int], predicted: Mapping[str, int], *, unit: str = "KiB",
@@ -104,14 +115,17 @@ def measured_vs_predicted(measured: Mapping[str, int], predicted: Mapping[str, i
     names = [c for c in mem.CATEGORIES if c in measured or c in predicted]
     names += [c for c in list(measured) + list(predicted) if c not in names]
     ratio = [(measured.get(c, 0) / predicted[c]) if predicted.get(c) else float("nan") for c in names]
+    shown = [category_name(c) for c in names]
     fig = go.Figure([
-        go.Bar(name="predicted", x=names, y=[predicted.get(c, 0) / div for c in names], marker_color="#BAB0AC"),
-        go.Bar(name="measured", x=names, y=[measured.get(c, 0) / div for c in names], marker_color="#4C78A8",
+        go.Bar(name="predicted", x=shown, y=[predicted.get(c, 0) / div for c in names],
+               marker_color=LABEL_COLORS["predicted"]),
+        go.Bar(name="measured", x=shown, y=[measured.get(c, 0) / div for c in names],
+               marker_color=LABEL_COLORS["measured"],
                customdata=ratio, hovertemplate=f"%{{x}}: %{{y:.2f}} {unit}<br>measured/predicted %{{customdata:.4f}}"
                                                "<extra>measured</extra>"),
     ])
-    fig.update_layout(barmode="group", title=title, yaxis_title=f"{unit} per rank", legend_title="")
-    return fig
+    fig.update_layout(barmode="group", yaxis_title=f"{unit} per rank")
+    return _layout(fig, title)
 
 
 def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb", **defaults):
@@ -175,7 +189,7 @@ def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb",
         show_in(out, state["fig"])
         color = "#080" if est.fits or est.fits is None else "#b00"
         verdict.value = (f"<span style='color:{color}'><b>{est.verdict()}</b></span><br>world size "
-                         f"{kw['dp'] * kw['tp'] * kw['pp']}, stage {est.stage}, convention "
+                         f"{kw['dp'] * kw['tp'] * kw['pp']}, budget of pipeline stage {est.stage}, convention "
                          f"{est.assumptions['convention']}")
 
     for c in ctl.values():
@@ -210,9 +224,24 @@ def plan_bars(plan, *, top: int = 10, title: str | None = None, height: int = 42
                              hovertemplate=f"{PART_NAMES[part]}: %{{y:.4g}} s<br>peak %{{customdata[0]:.1f}} GiB, "
                                            "MFU %{customdata[1]:.1%}, recompute %{customdata[2]}<extra>%{x}</extra>"))
     i = plan.inputs
-    fig.update_layout(barmode="stack", height=height, yaxis_title="seconds per step (predicted)", legend_title="part",
-                      title=title or f"Predicted step time, {i['model']} on {i['gpus']} x {i['gpu']}")
-    return fig
+    fig.update_layout(barmode="stack", height=height, yaxis_title="seconds per step (predicted)")
+    return _layout(fig, title or f"Predicted step time, {i['model']} on {i['gpus']} x {i['gpu']}")
+
+
+def rejection_words(summary: Mapping[str, int], n_rejected: int) -> str:
+    """``{"pp_layers": 56, "memory": 44}`` -> ``"120 rejected: 56 break 'pp * vpp divides n_layers', 44 do not fit
+    in memory"``: a plan's rejection counts (:meth:`labkit.theory.planner.Plan.rejection_summary`) in words, each
+    rule as :data:`labkit.theory.mesh.RULES` states it. A mesh may break several rules, so counts can add up to
+    more than ``n_rejected``."""
+    from labkit.theory.mesh import RULES
+
+    parts = []
+    for rule, n in summary.items():
+        if rule == "memory":
+            parts.append(f"{n} do not fit in memory")
+        else:
+            parts.append(f"{n} break '{RULES.get(rule, words(rule))}'")
+    return f"{n_rejected} rejected" + (": " + ", ".join(parts) if parts else "")
 
 
 def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h100-80gb", top: int = 8,
@@ -282,7 +311,7 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
                        f"<td>{c.predicted_mfu:.1%}</td><td>{html.escape(c.reason)}</td></tr>"
                        for c in p.candidates[:top])
         info.value = (f"<b>PREDICTED</b>: {p.n_enumerated} meshes enumerated, {len(p.candidates)} fit, "
-                      f"{len(p.rejected)} rejected ({html.escape(str(p.rejection_summary()))})"
+                      f"{html.escape(rejection_words(p.rejection_summary(), len(p.rejected)))}"
                       "<table><tr><th>#</th><th>mesh</th><th>recompute</th><th>peak GiB</th><th>step s</th>"
                       f"<th>MFU</th><th>reason</th></tr>{rows}</table>")
         show_in(out, state["fig"])
@@ -320,9 +349,10 @@ def grid_figure(dims, gpus_per_node: int | None = None, *, title: str | None = N
         hover.append(hr)
     fig = go.Figure(go.Heatmap(z=z, text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text",
                                colorscale="Teal" if gpus_per_node else "Blues", showscale=False, xgap=3, ygap=3))
-    fig.update_layout(title=title or f"Rank grid: {dims} ({'-'.join(dims.order)}, innermost first)"
-                      + (f"; colour = node of {gpus_per_node}" if gpus_per_node else "; colour = dp index"),
+    fig.update_layout(title={"text": wrap_title(title or f"Rank grid: {dims} ({'-'.join(dims.order)}, innermost first)"
+                                                + (f"; colour = node of {gpus_per_node}" if gpus_per_node
+                                                   else "; colour = dp index"), 60), "x": 0.01},
                       xaxis_title="position in the stage (rank order: tp fastest)", yaxis_title="pipeline stage",
                       yaxis={"autorange": "reversed", "dtick": 1}, xaxis={"dtick": 1},
-                      height=height or 160 + 60 * dims.pp, width=max(420, 60 * width + 160))
+                      height=height or 200 + 60 * dims.pp, width=max(480, 60 * width + 160), margin={"t": 90})
     return fig

@@ -292,3 +292,62 @@ def load_reference_frames(files: list[Path], fmt: str, *, columns: list[str], no
     df = pd.concat(frames, ignore_index=True)
     df.attrs["status"] = f"recorded elsewhere: {', '.join(Path(f).name for f in files)}"
     return df
+
+
+# ------------------------------------------------------------------------------------------------------
+# published references (numbers read from papers, benchmark threads and performance pages; never run here)
+# ------------------------------------------------------------------------------------------------------
+#: kind -> (file under data/reference/published/, columns every row must fill)
+PUBLISHED = {
+    "collectives": ("collectives.csv", ("source", "url", "read_on", "what", "op", "metric", "value", "unit", "gpu",
+                                        "interconnect")),
+    "training": ("training.csv", ("source", "url", "read_on", "what", "model", "gpu", "gpus")),
+    "pipeline": ("pipeline.csv", ("source", "url", "read_on", "what", "schedule", "baseline", "metric", "value",
+                                  "unit")),
+}
+
+
+_PUBLISHED_INTS = {"bytes", "nics_per_node", "nodes", "gpus_per_node", "world_size", "gpus", "tp", "pp", "dp", "cp",
+                   "ep", "vpp", "seq_len", "global_batch_size", "micro_batch_size"}
+_PUBLISHED_FLOATS = {"value", "params_b", "tflops_per_gpu", "mfu", "tokens_per_s_per_gpu"}
+
+
+def _numeric(col: pd.Series, path: Path, name: str) -> pd.Series:
+    out = pd.to_numeric(col, errors="coerce")
+    bad = out.isna() & col.notna()
+    if bad.any():
+        raise ValueError(f"{path.name}: column {name!r} holds {col[bad].iloc[0]!r}, not a number")
+    return out
+
+
+def load_published(kind: str, root: str | Path | None = None) -> pd.DataFrame:
+    """Published measurements of ``kind`` (``collectives``, ``training`` or ``pipeline``) from
+    ``data/reference/published/<kind>.csv``, one row per number, with a ``label`` column
+    ``published (<source>)`` for the figures. Every row carries its source URL and the date it was read
+    (``read_on``); columns and units are described in that folder's README.md.
+
+    Raises ValueError for an unknown kind, a missing file, or a row that leaves a required column empty.
+    """
+    if kind not in PUBLISHED:
+        raise ValueError(f"kind={kind!r} is not a published kind; valid: {', '.join(PUBLISHED)}")
+    name, required = PUBLISHED[kind]
+    from labkit.paths import data_dir
+
+    path = Path(root) / name if root is not None else data_dir() / "reference" / "published" / name
+    if not path.is_file():
+        raise ValueError(f"no published {kind} rows: {path} does not exist")
+    df = pd.read_csv(path)
+    for col in df.columns:
+        if col in _PUBLISHED_INTS:
+            df[col] = _numeric(df[col], path, col).astype("Int64")
+        elif col in _PUBLISHED_FLOATS:
+            df[col] = _numeric(df[col], path, col).astype(float)
+    for col in required:
+        empty = df[col].isna() if col in df.columns else pd.Series(True, index=df.index)
+        if empty.any():
+            lines = [int(i) + 2 for i in df.index[empty]][:5]
+            raise ValueError(f"{path.name}: column {col!r} is empty in row(s) {lines} "
+                             "(file line numbers); every published row needs it")
+    df.insert(0, "label", "published (" + df["source"] + ")")
+    df.attrs["status"] = f"published: {len(df)} rows from {df['source'].nunique()} sources ({path.name})"
+    return df
