@@ -251,11 +251,13 @@ def fsdp_grad_runs(ctx) -> dict:
                         "shape": tuple(p.shape),
                         "is_view": p.grad is not None and p.grad.data_ptr() == u.shard.grad[a:b].data_ptr()}
     full = z.full_grads()
+    inf_norm = float(z.clip_grad_norm_(1e9, norm_type=float("inf")))  # no clipping at this max_norm
     z.close()
     z = ZeroDataParallel(make_net(), 3)
     opt = adamw(z.optim_parameters())
     norms = user_loop(z, opt, r, n, clip=lambda: z.clip_grad_norm_(0.5))
-    out = {"local": local, "full": full, "clip": {"state": _state(z), "norms": [float(x) for x in norms]}}
+    out = {"local": local, "full": full, "inf_norm": inf_norm,
+           "clip": {"state": _state(z), "norms": [float(x) for x in norms]}}
     z.close()
     return out
 
@@ -544,6 +546,8 @@ def test_fsdp_clip_grad_norm_equals_torch(launched):
         assert max(want["norms"]) > 0.5  # the clipping really clips
         _close(got["state"], want["state"], f"{who} clipped")
     assert all(r["fsdp_grads"]["clip"]["norms"] == res[0]["fsdp_grads"]["clip"]["norms"] for r in res)
+    inf = max(float(g.abs().max()) for g in reference()["grads"].values())  # norm_type=inf: the largest |g|
+    assert all(r["fsdp_grads"]["inf_norm"] == pytest.approx(inf, rel=1e-5) for r in res)
 
 
 @pytest.mark.parametrize("policy", list(MP_TOL), ids=["-".join(p) for p in MP_TOL])

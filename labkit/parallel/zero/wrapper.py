@@ -249,7 +249,9 @@ class ZeroDataParallel(nn.Module):
         grads = [u.shard.grad.detach() for u in self.units if u.shard.grad is not None]  # [k] each
         dev = self.units[0].shard.device if self.units else torch.device("cpu")
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=dev)
+            local = torch.zeros((), device=dev)  # scalar
+            if grads:
+                local = torch.stack([g.abs().max() for g in grads]).max()  # scalar: the largest |g| here
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)  # scalar
             total = local
         else:
