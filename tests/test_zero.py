@@ -176,7 +176,7 @@ def test_measure_counts_flat_zero_buffers_once():
         holder.a, holder.b = torch.nn.Linear(4, 6), torch.nn.Linear(2, 2)  # 30 + 6 = 36 parameters
         unit = _Unit("u", list(holder.named_parameters()), n=2, rank=0, stage=stage)
         holder.shards = torch.nn.ParameterList([unit.shard])
-        unit.zero_grad()
+        unit.zero_grad(set_to_none=False)
         assert unit.numel == unit.padded == 36
         expected = 4 * 36 if stage == 1 else 4 * 18
         assert model_state_bytes(holder) == {"parameters": expected, "gradients": expected, "optimizer": 0}
@@ -222,7 +222,7 @@ def test_layout_bytes_equal_the_live_layout_at_uneven_degrees(model_name):
             holder = torch.nn.Module()
             holder.model, holder.shards = model, torch.nn.ParameterList([u.shard for u in units])
             for u in units:
-                u.zero_grad()
+                u.zero_grad(set_to_none=False)
             got = model_state_bytes(holder)
             want = zt.layout_bytes(model_name, d, variant, rank)
             assert (got["parameters"], got["gradients"]) == (want["parameters"], want["gradients"]), (variant, rank)
@@ -288,7 +288,8 @@ def test_three_ranks_uneven_shards_and_the_users_batch():
 
 MY_MODULES = ["labkit.parallel.data", "labkit.parallel.data.naive", "labkit.parallel.data.bucketed",
               "labkit.parallel.data.torch_native", "labkit.parallel.zero", "labkit.parallel.zero.units",
-              "labkit.parallel.zero.wrapper", "labkit.parallel.zero.fsdp2", "labkit.theory.data", "labkit.theory.zero",
+              "labkit.parallel.zero.wrapper", "labkit.parallel.zero.fsdp2",
+              "labkit.parallel.zero.optimizer", "labkit.theory.data", "labkit.theory.zero",
               "labkit.experiments.data", "labkit.experiments.zero", "labkit.chapters.ch03_data_parallel",
               "labkit.chapters.ch04_zero_fsdp", "labkit.runtime.training", "labkit.experiments.common",
               "labkit.chapters.common",

@@ -33,11 +33,11 @@ def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None,
 
     check_choice("variant", variant, VARIANTS)
     if variant == "naive":
-        wrapped = DataParallelNaive(module, ctx, group)
+        wrapped = DataParallelNaive(module, ctx=ctx, group=group)
     elif variant == "bucket":
-        wrapped = DataParallelBucket(module, ctx, group, bucket_cap_bytes)
+        wrapped = DataParallelBucket(module, ctx=ctx, group=group, bucket_cap_bytes=bucket_cap_bytes)
     else:
-        wrapped = torch_ddp(module, ctx, group, bucket_cap_bytes, log_comm)
+        wrapped = torch_ddp(module, ctx=ctx, group=group, bucket_cap_bytes=bucket_cap_bytes, log_comm=log_comm)
     return wrapped, make_optimizer(module.parameters(), lr)
 
 

@@ -33,7 +33,7 @@ def build(variant: str, module: nn.Module, ctx, *, lr: float = 1e-3, group=None,
         return dp_experiments.build("ddp", module, ctx, lr=lr, group=group, **options)
     if variant == "fsdp2":
         return fsdp2(module, ctx, lr=lr, mesh=mesh, **options)
-    z = ZeroDataParallel(module, int(variant[-1]), ctx, group, **options)
+    z = ZeroDataParallel(module, int(variant[-1]), ctx=ctx, group=group, **options)
     return z, make_optimizer(z.optim_parameters(), lr)
 
 

@@ -198,7 +198,7 @@ def _dp_tp_hand(ctx, dims, mesh, spec, *, steps, global_batch_size, seq_len, lr,
 
     tp_group = mesh.get_group("tp")
     tpm = apply_tp(build_model(spec, seed, device=ctx.device), tp_group)
-    dpm = DataParallelBucket(tpm, ctx, group=mesh.get_group("dp"))
+    dpm = DataParallelBucket(tpm, ctx=ctx, group=mesh.get_group("dp"))
     opt = make_optimizer(tpm.parameters(), lr)
     res = _train(ctx, dims, mesh, _TPInDP(dpm, tpm, tp_group), opt, spec, steps=steps,
                  global_batch_size=global_batch_size, seq_len=seq_len, data_seed=data_seed, loss_fn=tpm.loss)

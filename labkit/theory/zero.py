@@ -143,3 +143,65 @@ def padded_params(spec, degree: int, variant: str) -> tuple[int, int]:
         sizes = [-(-sum(t.numel for t in u) // d) * d for u in units]
     root = sizes[0] if units[0][0].layer is None else 0
     return sum(sizes), root
+
+
+# ------------------------------------------------------------------------------------------------------
+# ZeRO-1 as an optimizer wrapper (labkit.parallel.zero.ShardedOptimizer): state sharded by parameter
+# ------------------------------------------------------------------------------------------------------
+def partition_by_size(group_numels, world_size: int, *, start_sizes=None) -> list[list]:
+    """The rank that owns each parameter when optimizer state is sharded *by parameter*: within each param
+    group (in order), parameters sorted by size, largest first (ties keep their order), each to the rank
+    holding the fewest elements so far (ties: the lowest rank), the running sizes shared across groups —
+    torch's ``ZeroRedundancyOptimizer._partition_parameters``. ``group_numels``: one list of element counts per
+    param group; an entry None (a frozen parameter) is owned by nobody (None).
+    Returns the owners in the same nested shape. Raises ValueError for world_size < 1 or a negative count."""
+    n = positive_int("world_size", world_size)
+    sizes = [0] * n
+    owners = []
+    for numels in group_numels:
+        numels = list(numels)
+        own = [None] * len(numels)
+        live = [i for i, x in enumerate(numels) if x is not None]
+        for i in live:
+            positive_int("numel", numels[i], minimum=0)
+        for i in sorted(live, key=lambda i: numels[i], reverse=True):
+            r = sizes.index(min(sizes))
+            own[i] = r
+            sizes[r] += numels[i]
+        owners.append(own)
+    return owners
+
+
+def sharded_optimizer_bytes(model, world_size: int, rank: int, *, n_states: int = 2, bytes_per_element: int = 4,
+                            step_bytes: int = 4) -> dict[str, int]:
+    """Predicted optimizer-state bytes on ``rank`` when the state is sharded by parameter over
+    ``world_size`` ranks (:func:`partition_by_size`; ZeRO stage 1, P_os, Rajbhandari et al. 2020): for each
+    parameter it owns, ``n_states`` moments of ``bytes_per_element`` each per element (AdamW: exp_avg,
+    exp_avg_sq) and one ``step_bytes`` counter (torch.optim's float32 ``step``) — convention "torch-fp32" of
+    :mod:`labkit.theory.memory`.
+
+    ``model``: a ModelSpec or preset name (its tensors from ``labkit.theory.memory.param_tensors``, one param
+    group), or a list of param groups, each a list of element counts (None for a frozen parameter).
+    Returns {"optimizer" (bytes, steps included), "optimizer_steps", "owned_params", "owned_numel"}.
+    The sum over ranks is the unsharded optimizer state; a rank's share differs from the calculator's even
+    Ψ/N_d by at most one parameter (the greedy partition's imbalance).
+    Raises ValueError for world_size < 1, rank outside 0..world_size-1 or an unknown preset."""
+    groups = _numel_groups(model)
+    n = positive_int("world_size", world_size)
+    if not (isinstance(rank, int) and 0 <= rank < n):
+        raise ValueError(f"rank={rank!r} must be in 0..{n - 1} for world_size={n}")
+    owners = partition_by_size(groups, n)
+    mine = [x for g, o in zip(groups, owners) for x, r in zip(g, o) if r == rank]
+    steps = step_bytes * len(mine)
+    return {"optimizer": n_states * bytes_per_element * sum(mine) + steps, "optimizer_steps": steps,
+            "owned_params": len(mine), "owned_numel": sum(mine)}
+
+
+def _numel_groups(model) -> list[list]:
+    if isinstance(model, (list, tuple)):
+        return [list(g) for g in model]
+    from labkit.theory import memory as mem
+    from labkit.theory.spec import get_spec
+
+    spec = get_spec(model) if isinstance(model, str) else model
+    return [[t.numel for t in mem.param_tensors(spec)]]

@@ -10,14 +10,32 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.checks import positive_int
-from labkit.parallel.data.naive import DataParallelNaive, broadcast_parameters
+from labkit.checks import positive_float, positive_int
+from labkit.parallel.data.naive import DataParallelNaive, broadcast_parameters, queue_after_backward
 
-#: DDP's default bucket size (``bucket_cap_mb=25``), in bytes
+#: DDP's default bucket size, ``bucket_cap_mb=25`` (MiB)
+DEFAULT_BUCKET_CAP_MB = 25.0
+#: the same in bytes
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
 #: DDP's cap for the first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``): a small first bucket
 #: lets the first all-reduce start as soon as the output layer's gradients exist
 DEFAULT_FIRST_BUCKET_BYTES = 2**20
+
+
+def bucket_cap(bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, bucket_cap_bytes: int | None = None) -> int | None:
+    """The bucket size in bytes from DDP's ``bucket_cap_mb`` (MiB, a float; None = one unbounded bucket) or
+    the lab's ``bucket_cap_bytes`` (an int; it wins when given, and then ``bucket_cap_mb`` must be left at
+    its default). Returns None for one bucket.
+
+    Raises ValueError for a non-positive size, or for both given."""
+    if bucket_cap_bytes is not None:
+        if bucket_cap_mb is None or float(bucket_cap_mb) != DEFAULT_BUCKET_CAP_MB:
+            raise ValueError(f"give one bucket size: bucket_cap_mb={bucket_cap_mb!r} or "
+                             f"bucket_cap_bytes={bucket_cap_bytes!r}, not both")
+        return positive_int("bucket_cap_bytes", bucket_cap_bytes)
+    if bucket_cap_mb is None:
+        return None
+    return max(1, int(positive_float("bucket_cap_mb", bucket_cap_mb) * 2**20))
 
 
 class _Bucket:
@@ -32,16 +50,19 @@ class _Bucket:
         self.work = None
 
 
-def assign_buckets(params: list[nn.Parameter], bucket_cap_bytes: int, first_cap_bytes: int) -> list[_Bucket]:
+def assign_buckets(params: list[nn.Parameter], bucket_cap_bytes: int | None,
+                   first_cap_bytes: int | None) -> list[_Bucket]:
     """Buckets in reverse parameter order; a bucket closes once it holds at least its cap (DDP's rule in
-    ``compute_bucket_assignment_by_size``), the first one at ``first_cap_bytes``."""
+    ``compute_bucket_assignment_by_size``), the first one at ``first_cap_bytes``. A cap of None never
+    closes a bucket (None for both: one bucket with every parameter)."""
     buckets: list[_Bucket] = []
     cur: list[nn.Parameter] = []
     size = 0
     for p in reversed(params):
         cur.append(p)
         size += p.numel() * p.element_size()
-        if size >= (bucket_cap_bytes if buckets else first_cap_bytes):
+        cap = bucket_cap_bytes if buckets else first_cap_bytes
+        if cap is not None and size >= cap:
             buckets.append(_Bucket(cur))
             cur, size = [], 0
     if cur:
@@ -52,24 +73,38 @@ def assign_buckets(params: list[nn.Parameter], bucket_cap_bytes: int, first_cap_
 class DataParallelBucket(nn.Module):
     """Bucketed, overlapped gradient all-reduce launched from gradient hooks.
 
+    Args:
+        module: the full model (broadcast from the group's first rank at construction), kept as ``.module``.
+        ctx: keyword-only, as every option: the rank's context (timeline events), or None.
+        group: the data-parallel process group (default: the world).
+        bucket_cap_mb: DDP's bucket size in MiB (float, default 25); None = one bucket holding every
+            gradient (one all-reduce per step, launched when the last gradient is ready).
+        bucket_cap_bytes: the same in bytes (an int); overrides ``bucket_cap_mb``.
+        first_bucket_cap_bytes: the first bucket's cap (default: DDP's 1 MiB, or the bucket cap if smaller;
+            unbounded with one bucket).
+
     Parameters are grouped into buckets in reverse registration order (roughly the order backward produces
-    their gradients); a bucket closes as soon as it holds at least ``bucket_cap_bytes`` (DDP's rule in
-    ``compute_bucket_assignment_by_size``), the first one at ``first_bucket_cap_bytes`` (default: DDP's
-    1 MiB, or ``bucket_cap_bytes`` if smaller). When a bucket's last gradient has been accumulated
+    their gradients); a bucket closes as soon as it holds at least its cap (DDP's rule in
+    ``compute_bucket_assignment_by_size``). When a bucket's last gradient has been accumulated
     (``register_post_accumulate_grad_hook``), its gradients are copied into the bucket buffer, divided by
     n, and an asynchronous ``all_reduce`` is launched; buckets are launched strictly in index order so
-    every rank issues the same sequence of collectives (as DDP's reducer does). :meth:`finish_grad_sync`
-    waits and copies the averages back. Communication of early buckets overlaps the remaining backward.
+    every rank issues the same sequence of collectives (as DDP's reducer does). At the end of the backward
+    (:func:`~labkit.parallel.data.naive.queue_after_backward`) the wrapper waits and copies the averages back
+    into ``.grad`` — for any backward outside :meth:`no_sync`, whichever forward built the graph (the
+    wrapper's or ``.module``'s). :meth:`finish_grad_sync` does the same if it has not happened yet (the lab's
+    loop calls it). Parameters with ``requires_grad=False`` are in no bucket.
 
-    Raises ValueError for a non-positive bucket_cap_bytes.
+    Raises ValueError for a non-positive bucket size, or both sizes given.
     """
 
-    def __init__(self, module: nn.Module, ctx=None, group=None, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-                 first_bucket_cap_bytes: int | None = None):
+    def __init__(self, module: nn.Module, *, ctx=None, group=None, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+                 bucket_cap_bytes: int | None = None, first_bucket_cap_bytes: int | None = None):
         super().__init__()
-        positive_int("bucket_cap_bytes", bucket_cap_bytes)
-        first_cap = min(DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes) if first_bucket_cap_bytes is None else \
-            positive_int("first_bucket_cap_bytes", first_bucket_cap_bytes)
+        cap = bucket_cap(bucket_cap_mb, bucket_cap_bytes)
+        if first_bucket_cap_bytes is not None:
+            first_cap = positive_int("first_bucket_cap_bytes", first_bucket_cap_bytes)
+        else:
+            first_cap = None if cap is None else min(DEFAULT_FIRST_BUCKET_BYTES, cap)
         self.module = module
         self.ctx = ctx
         self.group = group
@@ -78,7 +113,7 @@ class DataParallelBucket(nn.Module):
         self._pending = False
         broadcast_parameters(module, group)
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = assign_buckets(params, bucket_cap_bytes, first_cap)
+        self.buckets = assign_buckets(params, cap, first_cap)
         self._bucket_of = {}
         for i, b in enumerate(self.buckets):
             for p in b.params:
@@ -87,14 +122,16 @@ class DataParallelBucket(nn.Module):
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def forward(self, *args, **kwargs):
-        self._pending = self.require_sync and torch.is_grad_enabled()
         return self.module(*args, **kwargs)  # tokens (b, T) -> logits (b, T, V); b: this rank's (micro-)batch
 
     no_sync = DataParallelNaive.no_sync
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._pending:
+        if not self.require_sync:
             return
+        if not self._pending:
+            self._pending = True
+            queue_after_backward(self.finish_grad_sync)
         b = self.buckets[self._bucket_of[p]]
         b.ready += 1
         while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
@@ -118,7 +155,8 @@ class DataParallelBucket(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Launch any bucket whose gradients never all arrived (unused parameters count as zero), wait for
-        every bucket, and write the averaged gradients back into ``.grad``."""
+        every bucket, and write the averaged gradients back into ``.grad``; nothing if no backward outside
+        ``no_sync`` ran since the last sync."""
         if not self._pending:
             return
         while self._next < len(self.buckets):

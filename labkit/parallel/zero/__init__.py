@@ -9,7 +9,12 @@ optimizer state, stage 2 (P_os+g) also the gradients, stage 3 (P_os+g+p) also th
   reduce-scatter of its gradients;
 * ``wrapper.py`` — :class:`ZeroDataParallel`: stages 1-3 over those units (hooks, the wrapper protocol of
   :mod:`labkit.runtime.training`);
-* ``fsdp2.py`` — :func:`fsdp2`: torch's ``fully_shard`` (stage 3), and :func:`check_fsdp_devices`.
+* ``fsdp2.py`` — :func:`fsdp2`: torch's ``fully_shard`` (stage 3), and :func:`check_fsdp_devices`;
+* ``optimizer.py`` — :class:`ShardedOptimizer`: ZeRO-1 as an optimizer wrapper (torch's
+  ``ZeroRedundancyOptimizer`` shape), state sharded by parameter, on top of any DDP.
+
+Frozen parameters (``requires_grad=False``) never enter a shard, a reduction or the optimizer; how each of
+these drops into a plain training loop, beside the torch call it mirrors, is ``docs/use-in-your-loop.md``.
 
 Model-state bytes per rank are predicted by the lab's calculator (``labkit.theory.memory``, convention
 "torch-fp32") and for these exact layouts by :func:`labkit.theory.zero.layout_bytes`; communication per
@@ -18,6 +23,7 @@ step by :func:`labkit.theory.zero.predicted_comm_bytes`. The runs that measure b
 """
 
 from labkit.parallel.zero.fsdp2 import BACKEND_DEVICE, check_fsdp_devices, fsdp2
+from labkit.parallel.zero.optimizer import ShardedOptimizer
 from labkit.parallel.zero.wrapper import ZeroDataParallel
 
-__all__ = ["BACKEND_DEVICE", "ZeroDataParallel", "check_fsdp_devices", "fsdp2"]
+__all__ = ["BACKEND_DEVICE", "ShardedOptimizer", "ZeroDataParallel", "check_fsdp_devices", "fsdp2"]

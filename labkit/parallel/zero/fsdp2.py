@@ -41,11 +41,14 @@ def check_fsdp_devices(module: nn.Module, device_type: str, backend: str, what: 
                                                                          BACKEND_DEVICE.items()) + ")")
 
 
-def fsdp2(module: nn.Module, ctx, *, lr: float = 1e-3, mesh=None, reshard_after_forward: bool | None = None,
-          group=None):
+def fsdp2(module: nn.Module, ctx=None, *, lr: float = 1e-3, weight_decay: float = 0.0, mesh=None,
+          reshard_after_forward: bool | None = None, mp_policy=None, group=None):
     """Shard ``module`` with FSDP2: ``fully_shard`` on each of ``module.layers`` then on the root, on
-    ``mesh`` (default: a 1-D mesh of the whole world on ``ctx.device.type``); then build the lab's AdamW
-    over the sharded (DTensor) parameters. Returns (module, optimizer).
+    ``mesh`` (default: a 1-D mesh of the whole world on ``ctx.device.type``, or CPU without a ctx); then build
+    the lab's AdamW (``lr``, ``weight_decay``) over the sharded (DTensor) parameters. Returns (module,
+    optimizer). ``mp_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` for every ``fully_shard``
+    call (the hand-written ZeRO-3 takes the same object). Parameters with ``requires_grad=False`` are sharded
+    but get no gradient, so AdamW (weight decay included) never changes them.
 
     ``reshard_after_forward`` None (default) leaves FSDP2's own choice: layers free their gathered
     parameters after forward, the root keeps them until backward (as the lab's ZeRO-3 does); True or False
@@ -59,14 +62,15 @@ def fsdp2(module: nn.Module, ctx, *, lr: float = 1e-3, mesh=None, reshard_after_
 
     if group is not None:
         raise ValueError("fsdp2 takes a DeviceMesh (mesh=...), not a process group")
-    device_type = mesh.device_type if mesh is not None else ctx.device.type
+    device_type = mesh.device_type if mesh is not None else (ctx.device.type if ctx is not None else "cpu")
     backend = dist.get_backend(mesh.get_group() if mesh is not None else None)
     check_fsdp_devices(module, device_type, backend)
     if mesh is None:
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     layers = getattr(module, "layers", [])
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True if reshard_after_forward is None
-                    else reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return module, make_optimizer(module.parameters(), lr)
+                    else reshard_after_forward, **mp)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
+    return module, make_optimizer(module.parameters(), lr, weight_decay=weight_decay)
