@@ -43,7 +43,8 @@ def check_fsdp_devices(module: nn.Module, device_type: str, backend: str, what: 
 
 def fsdp2(module: nn.Module, ctx, *, lr: float = 1e-3, mesh=None, reshard_after_forward: bool | None = None,
           group=None):
-    """Shard ``module`` with FSDP2: ``fully_shard`` on each of ``module.layers`` then on the root, on
+    """Shard ``module`` with FSDP2: ``fully_shard`` on each of ``module.layers`` (a list, or a ``ModuleDict``
+    as a pipeline stage holds them) then on the root, on
     ``mesh`` (default: a 1-D mesh of the whole world on ``ctx.device.type``); then build the lab's AdamW
     over the sharded (DTensor) parameters. Returns (module, optimizer).
 
@@ -65,7 +66,7 @@ def fsdp2(module: nn.Module, ctx, *, lr: float = 1e-3, mesh=None, reshard_after_
     if mesh is None:
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     layers = getattr(module, "layers", [])
-    for layer in layers:
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:  # a pipeline stage's ModuleDict
         fully_shard(layer, mesh=mesh, reshard_after_forward=True if reshard_after_forward is None
                     else reshard_after_forward)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
