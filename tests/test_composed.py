@@ -7,7 +7,9 @@ import copy
 
 import pytest
 
-from labkit.parallel import composed
+from labkit.chapters import ch09_composing_meshes as ch
+from labkit.experiments import composed
+from labkit.theory import composed as ct
 from labkit.theory.mesh import MeshError
 
 
@@ -106,7 +108,58 @@ def test_chapter_09_refuses_bad_parameters_before_any_launch(bad, match):
     ok = dict(world_size=4, model="lab-tiny-llama", steps=2, seq_len=32, n_microbatches=4, plan_model="llama-3-70b",
               plan_gpus=1024, plan_gpu="h100-80gb", gpus_per_node=8, plan_seq_len=8192, plan_global_batch=1024,
               timeout_s=300.0)
-    got = composed.check_chapter(**ok)
-    assert got["dp"] == 2 and got["global_batch_size"] == 8 and [r["kind"] for r in got["runs"]] == list(composed.KINDS)
+    got = ch.check_chapter(**ok)
+    assert got["dp"] == 2 and got["global_batch_size"] == 8 and [r["kind"] for r in got["runs"]] == list(ct.KINDS)
     with pytest.raises(ValueError, match=match):
-        composed.check_chapter(**{**ok, **bad})
+        ch.check_chapter(**{**ok, **bad})
+
+
+def test_rooms_of_the_composition():
+    """The strategy imports no runtime, experiment, chapter or view (nor pandas / plotly); its predictions no
+    torch; the experiment uses the strategy's functions rather than its own copies of them."""
+    import ast
+    import inspect
+
+    from labkit.parallel import composed as strategy
+
+    def imported(module):
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names.add(node.module or "")
+        return names
+
+    banned = ("labkit.runtime", "labkit.experiments", "labkit.chapters", "labkit.plots", "labkit.widgets",
+              "labkit.notebooks", "labkit.cli", "pandas", "plotly")
+    assert not [m for m in imported(strategy) if m.startswith(banned)]
+    assert not [m for m in imported(ct) if m.split(".")[0] == "torch"]
+    src = inspect.getsource(composed)
+    assert "fully_shard(" not in src and "parallelize_module" not in src and "Schedule1F1B" not in src
+
+
+def test_chapter_09_notebook_validates_first_and_links_its_code():
+    """The first code cell after the parameters passes every parameter to ch.check_chapter; the "Code in this
+    chapter" cell's links all resolve to files of the repository."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import nbformat
+
+    from labkit import notebooks
+
+    root = Path(__file__).resolve().parent.parent
+    path = root / "notebooks" / "09_composing_meshes.ipynb"
+    nb = nbformat.read(path, 4)
+    i = next(k for k, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    first = next(c for c in nb.cells[i + 1:] if c.cell_type == "code")
+    call = next(n for n in ast.walk(ast.parse(first.source)) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) == "ch.check_chapter")
+    passed = {k.arg for k in call.keywords if isinstance(k.value, ast.Name) and k.value.id == k.arg}
+    assert set(notebooks.declared_parameters(path)) <= passed
+    code = next(c.source for c in nb.cells[:i] if c.cell_type == "markdown" and "**Code in this chapter**" in c.source)
+    links = re.findall(r"\]\((\.\./[^)]+)\)", code)
+    assert "../labkit/parallel/composed.py" in links and len(links) >= 10
+    assert [x for x in links if not (path.parent / x).resolve().is_file()] == []

@@ -298,7 +298,8 @@ MY_MODULES = ["labkit.parallel.data", "labkit.parallel.data.naive", "labkit.para
               "labkit.experiments.tensor", "labkit.chapters.ch05_tensor_parallel",
               "labkit.parallel.pipeline.stage", "labkit.parallel.pipeline.p2p", "labkit.parallel.pipeline.runner",
               "labkit.parallel.pipeline.torch_native", "labkit.experiments.pipeline", "labkit.theory.pipeline",
-              "labkit.chapters.ch06_pipeline_parallel", "labkit.parallel.composed", "labkit.theory.simulate"]
+              "labkit.chapters.ch06_pipeline_parallel", "labkit.parallel.composed", "labkit.theory.simulate",
+              "labkit.theory.composed", "labkit.experiments.composed", "labkit.chapters.ch09_composing_meshes"]
 
 
 @pytest.mark.parametrize("module", MY_MODULES)

@@ -43,7 +43,8 @@ def check_fsdp_devices(module: nn.Module, device_type: str, backend: str, what: 
 
 def fsdp2(module: nn.Module, ctx=None, *, lr: float = 1e-3, weight_decay: float = 0.0, mesh=None,
           reshard_after_forward: bool | None = None, mp_policy=None, group=None):
-    """Shard ``module`` with FSDP2: ``fully_shard`` on each of ``module.layers`` then on the root, on
+    """Shard ``module`` with FSDP2: ``fully_shard`` on each of ``module.layers`` (a list, or a ``ModuleDict``
+    as a pipeline stage holds them) then on the root, on
     ``mesh`` (default: a 1-D mesh of the whole world on ``ctx.device.type``, or CPU without a ctx); then build
     the lab's AdamW (``lr``, ``weight_decay``) over the sharded (DTensor) parameters. Returns (module,
     optimizer). ``mp_policy``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` for every ``fully_shard``
@@ -69,7 +70,7 @@ def fsdp2(module: nn.Module, ctx=None, *, lr: float = 1e-3, weight_decay: float 
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     layers = getattr(module, "layers", [])
-    for layer in layers:
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:  # a pipeline stage's ModuleDict
         fully_shard(layer, mesh=mesh, reshard_after_forward=True if reshard_after_forward is None
                     else reshard_after_forward, **mp)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **mp)
