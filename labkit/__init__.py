@@ -1,11 +1,8 @@
 """labkit: the LLM Parallelism Lab's library.
 
-Two kinds of modules (see DESIGN.md):
-
-* predict — pure Python, no torch import: ``labkit.theory.spec``, ``labkit.theory.memory``, ``labkit.theory.costmodel``,
-  ``labkit.theory.simulate``, ``labkit.theory.mesh``, ``labkit.theory.planner``, ``labkit.runtime.timeline``.
-* run / measure — ``labkit.launch`` (the only way to start ranks), ``labkit.runtime.rank``, ``labkit.runtime.records``,
-  ``labkit.models``, ``labkit.runtime.measure``, ``labkit.experiments``, ``labkit.parallel``.
+Rooms (docs/architecture.md): ``labkit.parallel`` (the strategies), ``labkit.theory`` (predictions: pure
+Python, no torch), ``labkit.runtime`` (``launch`` and measuring), ``labkit.experiments`` (rank functions),
+``labkit.chapters`` (one module per chapter notebook), and the views (plots, widgets, notebooks, cli).
 
 ``from labkit import launch`` is resolved lazily so that importing a predict module never imports torch.
 """
