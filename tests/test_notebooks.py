@@ -1,4 +1,4 @@
-"""Chapter notebooks: stored clean, shaped as docs/architecture.md's chapter shape says, and executed headless (papermill).
+"""Chapter notebooks: stored clean, in the chapter shape of docs/architecture.md, executed headless (papermill).
 
 The runner's own behaviour (timeouts, failures, parameters, a rank function defined in a notebook cell) is
 checked on small notebooks written here.
