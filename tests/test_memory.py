@@ -672,7 +672,6 @@ def test_fsdp2_uneven_shards_of_the_lab_model_at_dp3():
                  + 2 * ceil3(2 * 16 * 64)  # wk, wv
                  + 3 * ceil3(176 * 64))  # w_gate, w_up, w_down
     by_hand = 4 * (4 * per_layer + 2 * ceil3(256 * 64) + ceil3(64))  # layers, embed + lm_head, final norm
-    assert by_hand == 290296
     assert even == by_hand
     with pytest.raises(ValueError, match=r"dp_rank=3 must be a ZeRO shard index in 0..2"):
         m.train_memory(spec, par, train, dp_rank=3)

@@ -73,7 +73,6 @@ def test_small_case_by_hand(hand_plan):
     f_layer = 6 * layer + 12 * 8 * 128 * 1024
     f_head = 6 * 32000 * 1024
     imbalance = (2 * f_layer + f_head) / ((4 * f_layer + f_head) / 2)
-    assert imbalance == pytest.approx(1.3026, abs=1e-4)
     c = by_mesh(hand_plan, dp=2, pp=2)
     assert c.layers_per_stage == (2, 2) and c.parts["compute_s"] == pytest.approx(compute * imbalance, rel=1e-9)
     p2p = BASE + HOP_IB + s_act / IB  # one activation (or gradient) to the neighbour stage, across the nodes

@@ -267,9 +267,12 @@ def score_mesh(st: _Setup, dims: ParallelDims, mbs: int, *, schedules=None, reco
                              sequence_parallel=st.sequence_parallel and dims.tp > 1, layers_per_stage=split)
     cap = st.topo.memory_bytes
     fitting, peaks = [], []
-    for r in (recompute_tries or st.tries):
+    tries = recompute_tries or st.tries
+    for r in tries:
         train = mem.TrainConfig(micro_batch_size=mbs, seq_len=st.seq_len, n_microbatches=m, recompute=r,
                                 attention="flash", convention=st.convention, activation_model=st.activations)
+        if r == "selective" and "none" in tries and _selective_saves_nothing(spec, train, par):
+            continue  # the same bytes as "none", which did not fit: selective cannot either
         peaks = mem.train_peaks(spec, par, train, opts, headroom=st.headroom,
                                 workspace_bytes=mem.DEFAULT_GPU_WORKSPACE_BYTES)
         fitting = [(o, pk) for o, pk in zip(opts, peaks, strict=True) if pk[0] <= cap]
@@ -303,6 +306,19 @@ def score_mesh(st: _Setup, dims: ParallelDims, mbs: int, *, schedules=None, reco
     dom = max((k for k in TIME_PARTS if k != "compute_s"), key=lambda k: cand.parts[k])
     cand.dominant = f"{part_name(cand, dom)} {cand.parts[dom] / cand.step_time_s:.0%} of the step"
     return cand
+
+
+def _selective_saves_nothing(spec: ModelSpec, train, par) -> bool:
+    """True when selective recompute keeps the same activation bytes as none for this configuration (no
+    core-attention items: flash attention, or Megatron's formula), so its memory is the same."""
+    from labkit.theory.memory.activations import _layer_activation_bytes
+    from labkit.theory.memory.train import _act_par, _no_recompute, _one_microbatch
+
+    act = _act_par(par.tp, par.cp, par.sequence_parallel)
+    one = _one_microbatch(train)
+    kinds = {spec.is_moe_layer(0), spec.is_moe_layer(spec.n_layers - 1)}
+    return all(_layer_activation_bytes(spec, one, act, k) == _layer_activation_bytes(spec, _no_recompute(one), act, k)
+               for k in kinds)
 
 
 def _setup(model, *, gpus, global_batch_size, seq_len, gpu, gpus_per_node, micro_batch_sizes, zero, recompute,
