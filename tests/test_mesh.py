@@ -44,7 +44,9 @@ def oracle(world, dp, tp, pp, cp, ep, vpp, spec, seq_len, gbs, mbs):
         bad.add("tp_hidden")
     if spec.ffn_hidden_size % tp:
         bad.add("tp_ffn")
-    if spec.n_layers % (pp * vpp):
+    # uneven stages are allowed (Llama 3 405B: 126 layers on 16 stages); every model chunk needs a layer, and the
+    # derived split (embedding and loss counted as a layer when pp does not divide n_layers) keeps >= vpp per stage
+    if pp * vpp > spec.n_layers or min(_split(spec.n_layers, pp, vpp)) < vpp:
         bad.add("pp_layers")
     if ep > 1 and (not spec.is_moe or spec.n_experts % ep):
         bad.add("ep_experts")
@@ -57,6 +59,24 @@ def oracle(world, dp, tp, pp, cp, ep, vpp, spec, seq_len, gbs, mbs):
         if pp > 1 and (m < pp or (vpp > 1 and m % pp)):
             bad.add("pp_microbatches")
     return None, bad
+
+
+def _split(n, p, v=1):
+    """The derived stage split, written here from its definition (labkit.theory.memory.split_layers): even when p
+    divides n (or p <= 2: the spare layer last); else n + 2 units (embedding and loss as a layer each) spread
+    evenly, spare units on the middle stages from the last one back, then the first and last stage, one layer
+    fewer on each edge; if a stage would hold fewer than v layers, the even split with spare layers at the end."""
+    if n % p == 0 or p <= 2:
+        return [n // p] * (p - n % p) + [n // p + 1] * (n % p)
+    q, r = divmod(n + 2, p)
+    units = [q] * p
+    for k in ([*range(p - 2, 0, -1), p - 1, 0])[:r]:
+        units[k] += 1
+    units[0] -= 1
+    units[-1] -= 1
+    if min(units) < v:
+        return [n // p] * (p - n % p) + [n // p + 1] * (n % p)
+    return units
 
 
 @st.composite
@@ -106,7 +126,7 @@ def test_validation_matches_the_oracle(cfg):
         assert world == dp * tp * pp * cp
         assert spec.n_heads % tp == 0 and spec.hidden_size % tp == 0
         assert spec.n_kv_heads % tp == 0 or tp % spec.n_kv_heads == 0
-        assert spec.ffn_hidden_size % tp == 0 and spec.n_layers % (pp * vpp) == 0 and seq_len % cp == 0
+        assert spec.ffn_hidden_size % tp == 0 and pp * vpp <= spec.n_layers and seq_len % cp == 0
         assert (dp * cp) % ep == 0 and (ep == 1 or spec.n_experts % ep == 0)
         m = dims.n_microbatches(gbs, mbs)
         assert dp * mbs * m == gbs and (pp == 1 or m >= pp)
@@ -120,8 +140,12 @@ def test_messages_name_the_fix():
     ParallelDims(16, dp=1, tp=16).check(LLAMA70)  # 8 kv heads, each replicated on 2 ranks
     with pytest.raises(MeshError, match=r"tp=3 does not divide n_heads=64; valid tp: 1, 2, 4, 8, 16, 32, 64"):
         ParallelDims(3, dp=1, tp=3).check(LLAMA70)
-    with pytest.raises(MeshError, match=r"tp=4 neither divides n_kv_heads=6 .* valid tp: 1, 2, 3, 6, 12"):
+    # every "valid" list passes every rule: ffn 28672 = 2^12 * 7 rules out 3, 6 and 12, which the kv rule alone allows
+    with pytest.raises(MeshError, match=r"tp=4 neither divides n_kv_heads=6 .* valid tp: 1, 2$"):
         ParallelDims(4, dp=1, tp=4).check(LLAMA70.replace(n_heads=48, n_kv_heads=6, hidden_size=6144))
+    with pytest.raises(MeshError, match=r"tp=4 neither divides n_kv_heads=6 .* valid tp: 1, 2, 3, 6, 12, 24, 48$"):
+        ParallelDims(4, dp=1, tp=4).check(LLAMA70.replace(n_heads=48, n_kv_heads=6, hidden_size=6144,
+                                                         ffn_hidden_size=24576))
     with pytest.raises(MeshError, match=r"tp\*pp\*cp=3 does not divide world_size=8; valid tp\*pp\*cp: 1, 2, 4, 8"):
         ParallelDims.infer_dp(8, tp=3)
     # the field case: global batch 8 in 3 micro-batches, and fewer micro-batches than stages

@@ -7,6 +7,9 @@ Examples::
     labkit memory --model llama-3-70b --mode infer --batch 32 --prompt 2048 --output 512 --weights int8 \\
         --device h100-80gb
     labkit memory --params 7.5e9 --mode train --dp 64 --zero 2          # model states only
+    labkit memory --model llama-3.1-405b --tp 8 --pp 16 --dp 64 --zero 1 --sp --seq 8192 --microbatches 32 \\
+        --stage-layers 7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7 --device h100-80gb        # uneven stages
+    labkit memory --model gpt-3-175b --tp 8 --pp 8 --sp --seq 2048              # vocabulary padded for tp
 
 Every option applies to some of three cases: training a preset (``--model``), training a bare parameter count
 (``--params``: model states only, no layers, so no activations) and inference (``--mode infer``). An option
@@ -32,6 +35,9 @@ OPTIONS = {
     "shard_layout": ("--shard-layout", {TRAIN, PARAMS}, "even"),
     "sp": ("--sp", {TRAIN}, False),
     "vpp": ("--vpp", {TRAIN}, 1),
+    "stage_layers": ("--stage-layers", {TRAIN, INFER}, None),
+    "first_stage_layers": ("--first-stage-layers", {TRAIN, INFER}, None),
+    "last_stage_layers": ("--last-stage-layers", {TRAIN, INFER}, None),
     "schedule": ("--schedule", {TRAIN}, None),
     "micro_batch_size": ("--micro-batch", {TRAIN}, 1),
     "seq": ("--seq", {TRAIN}, 2048),
@@ -65,6 +71,14 @@ _HINT = {("zero", INFER): " (inference holds no optimizer state)", ("seq", INFER
 MODEL_STATES = ("parameters", "gradients", "optimizer")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts (e.g. 7,8,8,7)") \
+            from None
+
+
 def _float_count(text: str) -> float:
     try:
         return float(text)
@@ -92,6 +106,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vpp", type=int, default=None,
                    help="model chunks per pipeline rank (default 1; > 1 implies --schedule interleaved)")
     g.add_argument("--schedule", default=None, choices=m.SCHEDULES, help="pipeline schedule (default 1f1b)")
+    g.add_argument("--stage-layers", type=_int_list, default=None, dest="stage_layers",
+                   help="layers of each pipeline stage, comma-separated (e.g. 7,8,...,8,7; pp counts summing to "
+                        "n_layers); default: even when pp divides n_layers, else fewer on the first and last stages")
+    g.add_argument("--first-stage-layers", type=int, default=None,
+                   help="layers on the first stage (Megatron's --decoder-first-pipeline-num-layers); the other "
+                        "stages split the rest evenly")
+    g.add_argument("--last-stage-layers", type=int, default=None,
+                   help="layers on the last stage (Megatron's --decoder-last-pipeline-num-layers)")
     t = p.add_argument_group("training (with --model)")
     t.add_argument("--micro-batch", type=int, default=None, dest="micro_batch_size", help="default 1")
     t.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
@@ -101,7 +123,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--attention", default=None, choices=m.ATTENTION, help="default flash (training and inference)")
     t.add_argument("--dropout", type=float, default=None, help="dropout probability (default: the model's)")
     t.add_argument("--act-dtype", default=None, choices=list(m.DTYPE_BITS))
-    t.add_argument("--activation-model", default=None, choices=m.ACTIVATION_MODELS, help="default lab")
+    t.add_argument("--activation-model", "--activations", default=None, choices=m.ACTIVATION_MODELS,
+                   dest="activation_model",
+                   help="default lab (what torch autograd saves for the lab's model, byte-exact on CPU); korthikanti "
+                        "(Table 2 of Korthikanti et al. 2022); megatron (Megatron-LM's theoretical_memory_usage.py, "
+                        "the planner's default)")
     t.add_argument("--kernels", default=None, choices=m.KERNELS,
                    help="whose kernels' saved tensors to assume (default cuda)")
     s = p.add_argument_group("model states (training, with --model or --params)")
@@ -164,7 +190,22 @@ def resolve(args) -> tuple[str, dict]:
                          "--tp > 1, got --tp 1")
     if values["schedule"] is None:
         values["schedule"] = "interleaved" if values["vpp"] > 1 else "1f1b"
+    if values["stage_layers"] is not None and (values["first_stage_layers"] or values["last_stage_layers"]):
+        raise ValueError("give --stage-layers or --first-stage-layers/--last-stage-layers, not both")
     return case, values
+
+
+def _split(args, v):
+    """The stage split the options ask for (None: the calculator derives it)."""
+    from labkit.theory import memory as m
+    from labkit.theory.spec import get_spec
+
+    if v["stage_layers"] is not None:
+        return tuple(v["stage_layers"])
+    if v["first_stage_layers"] is None and v["last_stage_layers"] is None:
+        return None
+    return m.split_layers(get_spec(args.model).n_layers, args.pp, v["vpp"], first=v["first_stage_layers"],
+                          last=v["last_stage_layers"])
 
 
 def run(args) -> int:
@@ -174,6 +215,8 @@ def run(args) -> int:
     common = dict(model=args.model if args.model is not None else args.params, dp=args.dp, tp=args.tp, pp=args.pp,
                   cp=v["cp"], ep=v["ep"], device=args.device, headroom=args.headroom,
                   workspace_bytes=args.workspace_bytes)
+    if case != PARAMS:
+        common["layers_per_stage"] = _split(args, v)
     if case == INFER:
         est = m.estimate("infer", **common, batch=v["batch"], prompt_len=v["prompt_len"], output_len=v["output_len"],
                          weight_dtype=v["weight_dtype"], kv_dtype=v["kv_dtype"], attention=v["attention"],
@@ -197,6 +240,17 @@ def run(args) -> int:
     print(f"model: {name} ({est.n_params / 1e9:.2f} B parameters, {est.n_params_local / 1e9:.3f} B on this rank)")
     print(est.table(args.unit))
     a = est.assumptions
+    if a.get("vocab_padded_from"):
+        print(f"  vocabulary padded {a['vocab_padded_from']} -> {a['vocab_size']} for tp={args.tp} (Megatron-LM's "
+              f"rule: the next multiple of {m.VOCAB_MULTIPLE}*tp, as labkit plan pads it)")
+    if a.get("layers_per_stage_text") and args.pp > 1:
+        how = "given" if a.get("layers_per_stage_given") else (
+            "derived: even" if len(set(a["layers_per_stage"])) == 1 else
+            "derived: fewer layers on the first and last stages, which hold the embedding and the loss")
+        print(f"  stage split: {a['layers_per_stage_text']} layers per pipeline stage ({how}); peak on stage "
+              f"{est.stage}, the heaviest")
+    if a.get("device_capacity"):
+        print(f"  verdict against {a['device_capacity']}")
     if est.mode == "train":
         ms = est.model_state_bytes
         print(f"  model states (parameters + gradients + optimizer), predicted: {ms / 1e9:,.2f} GB (1e9 bytes) = "

@@ -38,10 +38,13 @@ Each rule has an id (the ``rule`` of a :class:`Violation`, listed in :data:`RULE
 (the wording of :func:`labkit.checks.check_divides`). The divisibility rules are the ones a uniform split
 needs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", Sec. 2 and 3; Megatron-LM ``arguments.py`` checks): heads, kv heads, hidden and ffn sizes by
-tp (Shoeybi et al. 2019, Sec. 3: a column split of Q/K/V by heads and of the MLP by ffn columns); layers by
-pp·vpp; experts by ep; the global batch by dp·micro_batch_size·n_microbatches; the sequence by cp. The
-vocabulary is not required to divide by tp: Megatron pads it (``--make-vocab-size-divisible-by``); the lab's
-planner does the same.
+tp (Shoeybi et al. 2019, Sec. 3: a column split of Q/K/V by heads and of the MLP by ffn columns); experts by
+ep; the global batch by dp·micro_batch_size·n_microbatches; the sequence by cp. Layers need not divide by pp:
+published runs split them unevenly (Llama 3 405B: 126 layers on 16 stages, 7 + 14·8 + 7; Megatron-LM's
+``--decoder-first/last-pipeline-num-layers``), so the rule is pp·vpp <= n_layers, with the split of
+:func:`labkit.theory.memory.split_layers` (or a given ``layers_per_stage``). The vocabulary is not required
+to divide by tp: Megatron pads it (``--make-vocab-size-divisible-by``); the lab's planner and memory
+calculator do the same. Every "valid" list in a message passes every rule of its dimension.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from labkit.checks import check_divides, divisors, positive_int
+from labkit.theory.memory.conventions import MAX_BATCH, MAX_DEGREE, MAX_SEQ_LEN, bounded_int
+from labkit.theory.memory.stages import resolve_split
 
 #: dimensions of the rank grid, innermost (consecutive ranks) first: Megatron Core's default order
 DEFAULT_ORDER = ("tp", "cp", "dp", "pp")
@@ -68,7 +73,9 @@ RULES = {
     "tp_kv_heads": "tp divides n_kv_heads (heads split), or n_kv_heads divides tp (each kv head replicated)",
     "tp_hidden": "tp divides hidden_size",
     "tp_ffn": "tp divides ffn_hidden_size (and expert_ffn_hidden_size for MoE)",
-    "pp_layers": "pp * vpp divides n_layers",
+    "pp_layers": "pp * vpp <= n_layers (every model chunk holds a layer; pp need not divide n_layers: the stage "
+                 "split is uneven, fewer layers on the first and last stages), and a given layers_per_stage has pp "
+                 "counts of >= vpp layers summing to n_layers",
     "ep_experts": "ep divides n_experts (and ep > 1 needs an MoE model)",
     "cp_seq": "cp divides seq_len",
     "global_batch": "global_batch_size = dp * micro_batch_size * n_microbatches",
@@ -171,7 +178,7 @@ class ParallelDims:
         bad = []
         for name in ("world_size", "dp", "tp", "pp", "cp", "ep", "vpp"):
             try:
-                object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+                object.__setattr__(self, name, bounded_int(name, getattr(self, name), MAX_DEGREE))
             except ValueError as e:
                 bad.append(Violation("degree", f"[degree] {e}"))
         object.__setattr__(self, "order", tuple(self.order))
@@ -207,7 +214,7 @@ class ParallelDims:
     def infer_dp(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, **kwargs) -> ParallelDims:
         """The dims with ``dp = world_size / (tp·pp·cp)``. Raises MeshError when tp·pp·cp does not divide
         world_size (rule ``world_size``, listing the valid products)."""
-        world_size = positive_int("world_size", world_size)
+        world_size = bounded_int("world_size", world_size, MAX_DEGREE)
         rest = 1
         for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
             try:
@@ -251,30 +258,38 @@ class ParallelDims:
     # -- validation against a model and a batch ------------------------------------------------------
     def violations(self, spec=None, *, seq_len: int | None = None, global_batch_size: int | None = None,
                    micro_batch_size: int = 1, n_microbatches: int | None = None,
-                   gpus_per_node: int | None = None) -> list[Violation]:
+                   gpus_per_node: int | None = None, layers_per_stage=None) -> list[Violation]:
         """Every rule of :data:`RULES` these dims break for ``spec`` (a :class:`~labkit.theory.spec.ModelSpec`, or None
         to skip the model rules), ``seq_len`` (rule cp_seq), the batch (``global_batch_size`` sequences per
         step = dp · micro_batch_size · n_microbatches; n_microbatches None -> derived) and ``gpus_per_node``
-        (node_alignment). Empty when valid; each rule appears at most once (its message names every dimension
-        or size that breaks it). Raises ValueError only for a non-positive size argument."""
+        (node_alignment); ``layers_per_stage`` a stage split to check (rule pp_layers; None: the derived one).
+        Empty when valid; each rule appears at most once (its message names every dimension or size that breaks
+        it, and lists only values that pass every rule of that dimension). Raises ValueError only for a
+        non-positive (or absurdly large) size argument, in bounded time."""
         out: list[Violation] = []
         if spec is not None:
+            from labkit.theory.memory.config import valid_tp
+
+            tp_bad = []
             for rule, size_name in (("tp_heads", "n_heads"), ("tp_hidden", "hidden_size"),
                                     ("tp_ffn", "ffn_hidden_size")):
-                out += _divides(rule, "tp", self.tp, size_name, getattr(spec, size_name))
+                if getattr(spec, size_name) % self.tp:
+                    tp_bad.append((rule, f"tp={self.tp} does not divide {size_name}={getattr(spec, size_name)}"))
             if spec.n_kv_heads % self.tp and self.tp % spec.n_kv_heads:
                 # the rule of labkit.theory.memory.kv_heads_per_rank (the TP layers use it too): split or replicate
-                valid = [d for d in divisors(spec.n_heads) if spec.n_kv_heads % d == 0 or d % spec.n_kv_heads == 0]
-                out.append(Violation("tp_kv_heads", f"[tp_kv_heads] tp={self.tp} neither divides n_kv_heads="
-                                     f"{spec.n_kv_heads} (to split the kv heads) nor is a multiple of it (to "
-                                     f"replicate them); valid tp: {', '.join(map(str, valid))}"))
-            if spec.is_moe and spec.expert_ffn_hidden_size != spec.ffn_hidden_size:
-                out += _divides("tp_ffn", "tp", self.tp, "expert_ffn_hidden_size", spec.expert_ffn_hidden_size)
-            if self.vpp > 1:
-                out += _divides("pp_layers", "pp*vpp", self.pp * self.vpp, "n_layers", spec.n_layers,
-                                hint=f"pp={self.pp} stages x vpp={self.vpp} chunks each")
-            else:
-                out += _divides("pp_layers", "pp", self.pp, "n_layers", spec.n_layers)
+                tp_bad.append(("tp_kv_heads", f"tp={self.tp} neither divides n_kv_heads={spec.n_kv_heads} (to split "
+                                              "the kv heads) nor is a multiple of it (to replicate them)"))
+            if spec.is_moe and spec.expert_ffn_hidden_size != spec.ffn_hidden_size \
+                    and spec.expert_ffn_hidden_size % self.tp:
+                tp_bad.append(("tp_ffn", f"tp={self.tp} does not divide expert_ffn_hidden_size="
+                                         f"{spec.expert_ffn_hidden_size}"))
+            if tp_bad:  # every tp message lists the tp that pass every tp rule
+                ok = ", ".join(map(str, valid_tp(spec)))
+                out += [Violation(rule, f"[{rule}] {msg}; valid tp: {ok}") for rule, msg in tp_bad]
+            try:
+                resolve_split(spec.n_layers, self.pp, self.vpp, layers_per_stage)
+            except ValueError as e:
+                out.append(Violation("pp_layers", f"[pp_layers] {e}"))
             if self.ep > 1:
                 if not spec.is_moe:
                     out.append(Violation("ep_experts", f"[ep_experts] ep={self.ep} needs a mixture-of-experts "
@@ -282,10 +297,10 @@ class ParallelDims:
                 else:
                     out += _divides("ep_experts", "ep", self.ep, "n_experts", spec.n_experts)
         if seq_len is not None:
-            out += _divides("cp_seq", "cp", self.cp, "seq_len", positive_int("seq_len", seq_len))
+            out += _divides("cp_seq", "cp", self.cp, "seq_len", bounded_int("seq_len", seq_len, MAX_SEQ_LEN))
         if global_batch_size is not None:
-            out += self._batch_violations(positive_int("global_batch_size", global_batch_size),
-                                          positive_int("micro_batch_size", micro_batch_size), n_microbatches)
+            out += self._batch_violations(bounded_int("global_batch_size", global_batch_size, MAX_BATCH),
+                                          bounded_int("micro_batch_size", micro_batch_size, MAX_BATCH), n_microbatches)
         if gpus_per_node is not None:
             out += self._node_violations(positive_int("gpus_per_node", gpus_per_node))
         return _merge_by_rule(out)
@@ -468,7 +483,7 @@ def enumerate_dims(world_size: int, *, max_tp: int | None = None, max_pp: int | 
     """Every (dp, tp, pp, cp, ep) with dp·tp·pp·cp = world_size and ep dividing dp·cp (ep from ``ep_choices``),
     tp/pp/cp optionally capped. Model rules are not checked here (see :meth:`ParallelDims.violations`).
     O(d(world)^3) candidates: 680 for 16,384 ranks with ep=1. Raises ValueError for a cap < 1 (None: no cap)."""
-    world_size = positive_int("world_size", world_size)
+    world_size = bounded_int("world_size", world_size, MAX_DEGREE)
     max_tp, max_pp, max_cp = (None if v is None else positive_int(n, v)
                               for n, v in (("max_tp", max_tp), ("max_pp", max_pp), ("max_cp", max_cp)))
     out = []

@@ -1,23 +1,30 @@
 """The mesh planner: inventory the workload, draw the topology, generate every valid mesh, estimate memory
-and step time, rank. Pure Python (no torch): scoring every mesh of 16,384 GPUs takes well under a second
-(benchmarks/planner_speed.py).
+and step time under every pipeline schedule, rank. Pure Python (no torch): scoring every mesh of 16,384 GPUs,
+stage splits and schedules included, takes under a second (benchmarks/planner_speed.py).
 
 :func:`plan` does, for ``gpus`` GPUs of one kind in nodes of ``gpus_per_node``:
 
 1. **enumerate** every (dp, tp, pp, cp[, ep]) with dp·tp·pp·cp = gpus (:func:`labkit.theory.mesh.enumerate_dims`),
    times each micro-batch size;
-2. **validate** with :meth:`labkit.theory.mesh.ParallelDims.violations` (heads, kv heads, hidden, ffn by tp; layers by
-   pp; sequence by cp; global batch by dp·micro-batch; micro-batches >= pp; groups aligned with nodes) —
-   a failure is a *rejection* with the rule's message;
-3. **memory**: :func:`labkit.theory.memory.train_memory` on the most loaded pipeline stage, with headroom, against
-   the GPU's memory; with ``recompute="auto"`` the least recompute that fits (none, then selective, then
-   full); nothing fits -> a rejection naming the shortfall;
-4. **time**: place the grid on the nodes in Megatron Core's order (TP innermost: TP groups on the fastest
-   domain, NVLink inside a node; then CP, DP, PP, which cross nodes first) and estimate one step
-   (:func:`step_time`);
-5. **rank** by predicted step time (then peak memory), each with the reason for its place.
+2. **validate** with :meth:`labkit.theory.mesh.ParallelDims.violations` (heads, kv heads, hidden, ffn by tp; the
+   stage split, pp <= n_layers; sequence by cp; global batch by dp·micro-batch; micro-batches >= pp; groups
+   aligned with nodes) — a failure is a *rejection* with the rule's message;
+3. **stage split**: ``layers_per_stage`` given, or derived (:func:`labkit.theory.memory.split_layers`: even when
+   pp divides n_layers, else fewer layers on the first and last stages, as Llama 3 405B's 7 + 14·8 + 7);
+4. **schedules**: 1F1B, ZB-H1 and interleaved with every v from 2 to :data:`MAX_VPP` the split allows, each
+   with its in-flight activations (memory), bubble and p2p count (time);
+5. **memory**: :func:`labkit.theory.memory.train_peaks` (the calculator's peak, heaviest stage) with headroom,
+   against the GPU's program-visible memory; with ``recompute="auto"`` the least recompute with which some
+   schedule fits (none, then selective, then full); nothing fits -> a rejection naming the shortfall;
+6. **time**: place the grid on the nodes in Megatron Core's order (TP innermost: TP groups on NVLink inside a
+   node; then CP, DP, PP, which cross nodes first), price every group's collectives with the hierarchical
+   model of :func:`labkit.theory.costmodel.placed_collective_time` (NICs per node), and keep each mesh's
+   fastest fitting schedule (:func:`step_time`);
+7. **rank** by predicted step time (then peak memory), each with the reason for its place and the term that
+   dominates its step.
 
-Everything here is a *prediction*: label it so wherever it is shown.
+Everything here is a *prediction*: label it so wherever it is shown. :func:`validate_published` puts the
+predictions beside published training runs (data/reference/published/training.csv).
 """
 
 from __future__ import annotations
@@ -29,186 +36,39 @@ from dataclasses import asdict, dataclass, field
 from labkit.checks import check_choice, positive_float, positive_int
 from labkit.theory import costmodel
 from labkit.theory import memory as mem
-from labkit.theory.mesh import DEFAULT_ORDER, ParallelDims, dim_placement, enumerate_dims
-from labkit.theory.spec import ModelSpec, flops_per_token, get_spec
+from labkit.theory.mesh import ParallelDims, enumerate_dims
+from labkit.theory.spec import ModelSpec, get_spec
+from labkit.theory.steptime import (  # noqa: F401  (re-exported: the planner's public time model)
+    DEFAULT_INTER_LINK,
+    DEFAULT_MFU,
+    MAX_VPP,
+    SCHEDULE_CHOICES,
+    TIME_PARTS,
+    Topology,
+    _step_base,
+    _step_with,
+    bubble_factor,
+    p2p_count,
+    padded_spec,
+    plannable_gpus,
+    schedule_options,
+    stage_imbalance,
+    step_time,
+)
 
 RECOMPUTE_CHOICES = ("auto", *mem.RECOMPUTE)
-#: the parts of a predicted step, in the order they stack
-TIME_PARTS = ("compute_s", "bubble_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s")
 PART_NAMES = {"compute_s": "compute", "bubble_s": "pipeline bubble", "tp_s": "TP comm", "cp_s": "CP comm",
               "ep_s": "EP comm", "pp_s": "PP send/recv", "dp_s": "DP comm (exposed)"}
-#: Megatron-LM pads the vocabulary to a multiple of this x tp (``--make-vocab-size-divisible-by``, default 128)
-VOCAB_MULTIPLE = 128
-DEFAULT_MFU = 0.5
-DEFAULT_INTER_LINK = "ib-ndr"
-
-
-def plannable_gpus() -> list[str]:
-    """GPUs of data/hardware.yaml the planner can use: those with memory, a dense bf16 peak and an NVLink."""
-    return sorted(n for n, d in costmodel.devices().items()
-                  if {"memory_bytes", "peak_bf16_tflops", "nvlink"} <= set(d))
-
-
-def _gpu(name: str) -> dict:
-    ok = plannable_gpus()
-    if name in costmodel.devices() and name not in ok:
-        raise ValueError(f"gpu={name!r} has no peak_bf16_tflops or nvlink entry in data/hardware.yaml, which the "
-                         f"planner needs; add them there or choose one of: {', '.join(ok)}")
-    check_choice("gpu", name, ok)
-    return {"name": name, **costmodel.get_device(name)}
-
-
-def padded_spec(spec: ModelSpec, tp: int) -> ModelSpec:
-    """``spec`` with the vocabulary padded as Megatron-LM does when tp does not divide it: to the next
-    multiple of 128·tp (``_vocab_size_with_padding`` in megatron/training/tokenizer); unchanged otherwise."""
-    if spec.vocab_size % tp == 0:
-        return spec
-    m = VOCAB_MULTIPLE * tp
-    return spec.replace(vocab_size=-(-spec.vocab_size // m) * m)
-
-
-# ------------------------------------------------------------------------------------------------------
-# time
-# ------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Topology:
-    """``gpus_per_node`` GPUs joined by ``intra`` (NVLink) inside a node, nodes joined by ``inter``
-    (:class:`labkit.theory.costmodel.Link`); a GPU of ``peak_flops`` (dense bf16, FLOP/s) with ``memory_bytes``;
-    ``base_latency_s`` the fixed cost of one collective call (NCCL's ``baseLat``, ring)."""
-
-    gpu: str
-    gpus_per_node: int
-    intra: costmodel.Link
-    inter: costmodel.Link
-    peak_flops: float
-    memory_bytes: int
-    base_latency_s: float
-
-    @classmethod
-    def of(cls, gpu: str, gpus_per_node: int = 8, inter: str = DEFAULT_INTER_LINK) -> Topology:
-        """The topology of ``gpu`` (a name of :func:`plannable_gpus`). Raises ValueError for an unknown GPU or
-        link, naming the valid ones."""
-        d = _gpu(gpu)
-        return cls(gpu, positive_int("gpus_per_node", gpus_per_node), costmodel.get_link(d["nvlink"]),
-                   costmodel.get_link(inter), float(d["peak_bf16_tflops"]) * 1e12, int(d["memory_bytes"]),
-                   costmodel.base_latency_s("ring"))
-
-    def check_whole_nodes(self, gpus: int, name: str = "gpus") -> None:
-        """Raise ValueError (naming ``name``) unless ``gpus`` fills whole nodes of ``gpus_per_node`` (or fits
-        in one node)."""
-        if gpus > self.gpus_per_node and gpus % self.gpus_per_node:
-            raise ValueError(f"{name}={gpus} is not a whole number of nodes of gpus_per_node={self.gpus_per_node}; "
-                             f"use a multiple of {self.gpus_per_node}")
-
-    def collective_s(self, op: str, nbytes: float, degree: int, stride: int) -> float:
-        """Predicted seconds of one ``op`` on a group of ``degree`` ranks ``stride`` apart in the rank order:
-        :func:`labkit.theory.costmodel.collective_time` (ring) with the group's ranks per node from
-        :func:`labkit.theory.mesh.dim_placement` (all hops on NVLink when the group is inside a node)."""
-        if degree < 2 or nbytes <= 0:
-            return 0.0
-        place = dim_placement(degree, stride, self.gpus_per_node)
-        per_node = place["ranks_per_node"] if place else 1
-        return self.base_latency_s + costmodel.collective_time(
-            op, max(1, int(nbytes)), degree, self.intra, self.inter, gpus_per_node=per_node, include_base=False)
-
-    def link_of(self, degree: int, stride: int) -> str:
-        """The link name a group's slowest hop uses ("-" for a group of one)."""
-        if degree < 2:
-            return "-"
-        place = dim_placement(degree, stride, self.gpus_per_node)
-        return self.intra.name if place and place["within_node"] else self.inter.name
-
-
-def step_time(spec: ModelSpec, dims: ParallelDims, topo: Topology, *, seq_len: int, global_batch_size: int,
-              micro_batch_size: int = 1, recompute: str = "none", zero: int = 1, sequence_parallel: bool = True,
-              mfu: float = DEFAULT_MFU, n_params_local: int | None = None, grad_bytes: float = 2.0,
-              param_bytes: float = 2.0, act_bytes: int = 2) -> dict:
-    """Predicted seconds of one training step, by part (all *predicted*), for the mesh ``dims`` on ``topo``.
-
-    With m = global_batch_size / (dp·micro_batch_size) micro-batches, b = micro_batch_size, s = seq_len,
-    h = hidden_size, e = ``act_bytes``, L = n_layers, and ``coll(op, S, group)`` the alpha-beta time of
-    :meth:`Topology.collective_s` (ring; Thakur et al. 2005) on that group's links:
-
-    * ``compute_s`` = F / (gpus · peak · mfu), F = flops_per_token(s) · global_batch_size · s (PaLM, App. B),
-      plus one more forward of the layers with full recompute (F/3) or of the attention core with selective
-      recompute (4·L·a·d·s per token; Korthikanti et al. 2022, Sec. 5). ``mfu`` is the assumed fraction of
-      peak that compute kernels reach; the *predicted* end-to-end MFU (``predicted_mfu``) is lower.
-    * ``bubble_s`` = compute_s · (pp - 1)/m: the 1F1B bubble (Narayanan et al. 2021, Sec. 2.2.1).
-    * ``tp_s`` = m · L/pp · k · coll(all_reduce, b·s/cp·h·e, tp): k = 4 all-reduces per layer (two forward, two
-      backward; Shoeybi et al. 2019, Sec. 3), 6 with full recompute; with sequence parallelism each all-reduce
-      becomes an all-gather + reduce-scatter of the same ring volume (Korthikanti et al. 2022, Sec. 4.2.2).
-      The vocabulary-parallel loss's small all-reduces are left out. Not overlapped.
-    * ``cp_s`` = m · L/pp · (coll(all_gather, 2·b·s·kv/tp·e, cp) + coll(reduce_scatter, same, cp)): K and V
-      gathered in forward, their gradients reduce-scattered in backward (all-gather context parallelism, Llama
-      Team 2024, "The Llama 3 Herd of Models", Sec. 3.3.2). Not overlapped.
-    * ``ep_s`` = m · (MoE layers)/pp · 4 · coll(all_to_all, b·s/cp·top_k·h·e, ep): dispatch and combine,
-      forward and backward (Lepikhin et al. 2021, GShard, Sec. 2.2). Not overlapped.
-    * ``pp_s`` = 2·(m + pp - 1) · coll(send_recv, b·s/cp·h·e / (tp with SP), 2): one activation send per
-      forward slot and one gradient send per backward slot on the 1F1B critical path.
-    * ``dp_s`` (exposed) = max(0, t_dp - t_overlap) over the dp·cp group, for the rank's n_params_local
-      parameters. ZeRO-0: one gradient all-reduce; ZeRO-1/2: gradient reduce-scatter + parameter all-gather
-      (the same ring volume, Rajbhandari et al. 2020, Sec. 7); both overlap only the backward of the last
-      micro-batch, t_overlap = 2/3 · compute_s/m (bucketed reduction overlaps the backward it follows; Li et
-      al. 2020, "PyTorch Distributed", Sec. 3.2.3). ZeRO-3: gradient reduce-scatter + a parameter all-gather
-      per micro-batch in forward and again in backward (2m), prefetched behind the compute of the previous
-      layer, so t_overlap = compute_s (Zhao et al. 2023, "PyTorch FSDP", prefetching).
-
-    Returns a dict with every part, ``step_time_s`` (their sum), ``dp_total_s`` (before overlap),
-    ``predicted_mfu`` (F without recompute / (gpus · peak · step_time_s)), ``tokens_per_s``, ``links`` (the
-    link each dimension's groups use) and ``n_microbatches``.
-    """
-    if dims.order != DEFAULT_ORDER:
-        raise ValueError(f"step_time places the grid in the default order {'-'.join(DEFAULT_ORDER)}, got "
-                         f"order={'-'.join(dims.order)}")
-    b, s = micro_batch_size, seq_len
-    m = global_batch_size // (dims.dp * b)
-    gpus = dims.world_size
-    h, e, L = spec.hidden_size, act_bytes, spec.n_layers
-    tokens = global_batch_size * s
-    f_model = flops_per_token(spec, s) * tokens
-    extra = 0.0
-    if recompute == "full":
-        extra = flops_per_token(spec, s, training=False) * tokens
-    elif recompute == "selective":
-        extra = 4 * L * spec.n_heads * spec.head_dim * s * tokens
-    peak = topo.peak_flops
-    compute = (f_model + extra) / (gpus * peak * mfu)
-    bubble = compute * (dims.pp - 1) / m
-    layers = L // dims.pp
-    local_tokens = b * s // dims.cp
-    stride = {d: dims.stride(d) for d in ("tp", "cp", "dp", "pp")}
-    act = local_tokens * h * e
-    k_tp = 6 if recompute == "full" else 4
-    tp_s = m * layers * k_tp * topo.collective_s("all_reduce", act, dims.tp, stride["tp"])
-    kv_bytes = 2 * b * s * spec.kv_size / dims.tp * e
-    cp_s = m * layers * (topo.collective_s("all_gather", kv_bytes, dims.cp, stride["cp"])
-                         + topo.collective_s("reduce_scatter", kv_bytes, dims.cp, stride["cp"]))
-    ep_s = 0.0
-    if dims.ep > 1:
-        moe_layers = spec.n_moe_layers / dims.pp
-        a2a = local_tokens * spec.top_k * h * e
-        ep_s = m * moe_layers * 4 * topo.collective_s("all_to_all", a2a, dims.ep, stride["cp"])
-    send = act / (dims.tp if sequence_parallel and dims.tp > 1 else 1)
-    pp_s = 2 * (m + dims.pp - 1) * topo.collective_s("send_recv", send, dims.pp, stride["pp"]) if dims.pp > 1 else 0.0
-    n_local = n_params_local if n_params_local is not None else spec.n_params() / (dims.tp * dims.pp)
-    dpc = dims.dp * dims.cp
-    dp_stride = stride["cp"]  # the dp*cp ranks holding one dense shard: cp sits just inside dp in the order
-    gather = topo.collective_s("all_gather", n_local * param_bytes, dpc, dp_stride)
-    if zero == 0:
-        dp_total = topo.collective_s("all_reduce", n_local * grad_bytes, dpc, dp_stride)
-    else:
-        dp_total = topo.collective_s("reduce_scatter", n_local * grad_bytes, dpc, dp_stride)
-        dp_total += 2 * m * gather if zero >= 3 else gather
-    overlap = compute if zero >= 3 else (2 / 3) * compute / m
-    dp_s = max(0.0, dp_total - overlap)
-    parts = {"compute_s": compute, "bubble_s": bubble, "tp_s": tp_s, "cp_s": cp_s, "ep_s": ep_s, "pp_s": pp_s,
-             "dp_s": dp_s}
-    total = sum(parts.values())
-    links = {"tp": topo.link_of(dims.tp, stride["tp"]), "cp": topo.link_of(dims.cp, stride["cp"]),
-             "dp": topo.link_of(dpc, dp_stride), "pp": topo.link_of(dims.pp, stride["pp"]),
-             "ep": topo.link_of(dims.ep, stride["cp"])}
-    return {**parts, "step_time_s": total, "dp_total_s": dp_total, "n_microbatches": m,
-            "predicted_mfu": f_model / (gpus * peak * total), "tokens_per_s": tokens / total, "links": links}
+#: Megatron-LM pads the vocabulary to a multiple of this x tp (labkit.theory.memory.padded_vocab_size)
+VOCAB_MULTIPLE = mem.VOCAB_MULTIPLE
+#: The planner's byte conventions, Megatron-LM's own (the planner's mesh *is* Megatron's: TP + sequence
+#: parallelism, ZeRO-1 as the distributed optimizer, Megatron Core's rank order and vocabulary padding), so a
+#: published Megatron-style run is sized the way its framework sizes it: 6 + 12/dp bytes per parameter with the
+#: distributed optimizer (theoretical_memory_usage.py), sbh(18 + 4f/h)/t activations per layer (the same file).
+#: The lab's own activation model ("lab", byte-exact for labkit.models on CPU) describes unfused torch kernels
+#: and is an upper bound for fused-kernel frameworks; pass activations="lab" / "korthikanti" to compare.
+DEFAULT_CONVENTION = "megatron"
+DEFAULT_ACTIVATIONS = "megatron"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -216,8 +76,10 @@ def step_time(spec: ModelSpec, dims: ParallelDims, topo: Topology, *, seq_len: i
 # ------------------------------------------------------------------------------------------------------
 @dataclass
 class Candidate:
-    """One mesh with its predicted memory and time. ``rank`` (1 = best) and ``reason`` are set by :func:`plan`
-    for fitting candidates; rejected ones keep rank None and say why in ``reason``."""
+    """One mesh with its predicted memory and time, under its fastest fitting pipeline ``schedule`` (``vpp``
+    chunks per rank) and stage split ``layers_per_stage``. ``rank`` (1 = best) and ``reason`` are set by
+    :func:`plan` for fitting candidates; rejected ones keep rank None and say why in ``reason``;
+    ``dominant`` names the largest part of the step after compute."""
 
     dp: int
     tp: int
@@ -227,24 +89,41 @@ class Candidate:
     micro_batch_size: int
     n_microbatches: int | None = None
     recompute: str | None = None
+    schedule: str | None = None
+    vpp: int = 1
+    layers_per_stage: tuple | None = None
     fits: bool = False
     peak_bytes_per_gpu: int | None = None
+    peak_stage: int | None = None
     step_time_s: float | None = None
     parts: dict = field(default_factory=dict)
     predicted_mfu: float | None = None
+    predicted_hfu: float | None = None
     tokens_per_s: float | None = None
     links: dict = field(default_factory=dict)
     rules: list = field(default_factory=list)
     rank: int | None = None
     reason: str = ""
+    dominant: str = ""
 
     def mesh(self) -> str:
         s = f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp}"
         return s + (f" ep={self.ep}" if self.ep > 1 else "") + f" mbs={self.micro_batch_size}"
 
+    def schedule_text(self) -> str:
+        """``1f1b``, ``zb-h1``, ``interleaved v=4`` ("-" without a pipeline or a verdict)."""
+        if self.pp == 1 or self.schedule is None:
+            return "-"
+        return f"{self.schedule} v={self.vpp}" if self.schedule == "interleaved" else self.schedule
+
+    def split_text(self) -> str:
+        """The stage split as short text (``7,8x14,7``), "-" without a pipeline."""
+        return mem.format_split(self.layers_per_stage) if self.layers_per_stage and self.pp > 1 else "-"
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(d.pop("parts"))
+        d["layers_per_stage"] = list(self.layers_per_stage) if self.layers_per_stage else None
         return d
 
 
@@ -264,6 +143,13 @@ class Plan:
     def best(self) -> Candidate:
         return self.candidates[0]
 
+    def find(self, *, dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1, micro_batch_size: int | None = None):
+        """The candidate (ranked or rejected) of that mesh, or None; with several micro-batch sizes and none
+        given, the best-ranked one."""
+        hits = [c for c in self.candidates + self.rejected if (c.dp, c.tp, c.pp, c.cp, c.ep) == (dp, tp, pp, cp, ep)
+                and (micro_batch_size is None or c.micro_batch_size == micro_batch_size)]
+        return hits[0] if hits else None
+
     def rows(self, top: int | None = None, *, rejected: bool = False) -> list[dict]:
         """Plain dicts (JSON-able): the ranked candidates (``top`` of them), then with ``rejected`` every
         rejected mesh."""
@@ -273,8 +159,9 @@ class Plan:
         return out
 
     def to_json(self, top: int | None = None, *, rejected: bool = False) -> str:
-        """The ranked candidates as a JSON list (each with dp, tp, pp, cp, ep, fits, peak_bytes_per_gpu,
-        step_time_s, the time parts, rank and reason); ``rejected`` appends the rejected meshes."""
+        """The ranked candidates as a JSON list (each with dp, tp, pp, cp, ep, schedule, vpp, layers_per_stage,
+        fits, peak_bytes_per_gpu, step_time_s, the time parts, rank and reason); ``rejected`` appends the
+        rejected meshes."""
         return json.dumps(self.rows(top, rejected=rejected), indent=2)
 
     def rejection_summary(self) -> dict[str, int]:
@@ -287,25 +174,29 @@ class Plan:
 
     def table(self, top: int = 10, n_rejected: int = 10) -> str:
         """The ranked table (predicted), then rejections with their reasons, as aligned text."""
-        i = self.inputs
+        i, a = self.inputs, self.assumptions
         lines = [f"PREDICTED plan: {i['model']} on {i['gpus']} x {i['gpu']} ({i['gpus_per_node']} per node, "
-                 f"{self.assumptions['intra_link']} inside, {i['inter_link']} between nodes), seq_len={i['seq_len']}, "
-                 f"global_batch_size={i['global_batch_size']} sequences; {self.n_enumerated} meshes enumerated, "
-                 f"{self.n_scored} scored, {len(self.candidates)} fit, {len(self.rejected)} rejected",
-                 f"assumed: MFU of compute kernels {i['mfu']:.0%}, ZeRO-{i['zero']}, headroom "
-                 f"{i['headroom']:.0%}, bf16, 1F1B, sequence parallel with TP={i['sequence_parallel']}, TP innermost "
-                 "(Megatron order tp-cp-dp-pp)", ""]
-        hdr = (f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'mbs':>3} {'m':>5} {'recompute':>9} "
-               f"{'peak GiB':>8} {'step s':>8} {'compute':>8} {'bubble':>7} {'TP':>7} {'CP':>7} {'EP':>7} {'PP':>7} "
-               f"{'DP exp':>7} {'MFU':>5}  reason")
+                 f"{a['intra_link']} inside, {i['inter_link']} x {i['nics_per_node']} NICs per node between nodes), "
+                 f"seq_len={i['seq_len']}, global_batch_size={i['global_batch_size']} sequences; "
+                 f"{self.n_enumerated} meshes enumerated, {self.n_scored} scored, {len(self.candidates)} fit, "
+                 f"{len(self.rejected)} rejected",
+                 f"assumed: MFU of compute kernels {i['mfu']:.0%}, ZeRO-{i['zero']}, bytes: convention "
+                 f"{i['convention']}, activations {i['activations']}, headroom {i['headroom']:.0%}, "
+                 f"{a['device_bytes'] / mem.GiB:.2f} GiB usable per GPU (program-visible; data/hardware.yaml), "
+                 f"bf16, schedules {', '.join(i['schedules'])} (v <= {i['max_vpp']}), "
+                 f"sequence parallel with TP={i['sequence_parallel']}, TP innermost (Megatron order tp-cp-dp-pp), "
+                 "collectives hierarchical across nodes", ""]
+        hdr = (f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'mbs':>3} {'m':>5} {'schedule':>14} "
+               f"{'split':>10} {'recompute':>9} {'peak GiB':>8} {'step s':>8} {'compute':>8} {'bubble':>7} {'TP':>7} "
+               f"{'CP':>7} {'EP':>7} {'PP':>7} {'DP exp':>7} {'MFU':>5}  reason")
         lines.append(hdr)
         for c in self.candidates[:top]:
             p = c.parts
             lines.append(f"{c.rank:>3} {c.dp:>5} {c.tp:>3} {c.pp:>3} {c.cp:>3} {c.ep:>3} {c.micro_batch_size:>3} "
-                         f"{c.n_microbatches:>5} {c.recompute:>9} {c.peak_bytes_per_gpu / mem.GiB:>8.1f} "
-                         f"{c.step_time_s:>8.4g} {p['compute_s']:>8.4g} {p['bubble_s']:>7.3g} {p['tp_s']:>7.3g} "
-                         f"{p['cp_s']:>7.3g} {p['ep_s']:>7.3g} {p['pp_s']:>7.3g} {p['dp_s']:>7.3g} "
-                         f"{c.predicted_mfu:>5.1%}  {c.reason}")
+                         f"{c.n_microbatches:>5} {c.schedule_text():>14} {c.split_text():>10} {c.recompute:>9} "
+                         f"{c.peak_bytes_per_gpu / mem.GiB:>8.1f} {c.step_time_s:>8.4g} {p['compute_s']:>8.4g} "
+                         f"{p['bubble_s']:>7.3g} {p['tp_s']:>7.3g} {p['cp_s']:>7.3g} {p['ep_s']:>7.3g} "
+                         f"{p['pp_s']:>7.3g} {p['dp_s']:>7.3g} {c.predicted_mfu:>5.1%}  {c.reason}")
         if len(self.candidates) > top:
             lines.append(f"... {len(self.candidates) - top} more fitting meshes (--top N to see them)")
         if self.rejected:
@@ -319,109 +210,239 @@ class Plan:
         return "\n".join(lines)
 
 
-def _memory(spec, dims, topo, *, seq_len, mbs, m, recompute, zero, sp, headroom, convention):
-    """labkit.theory.memory.train_memory with the GPU's workspace; the verdict against ``topo.memory_bytes`` is the
-    caller's (the same rule as MemoryEstimate.fits, without a data/hardware.yaml lookup per mesh)."""
-    par = dims.parallel_config(zero=zero, sequence_parallel=sp and dims.tp > 1)
-    train = mem.TrainConfig(micro_batch_size=mbs, seq_len=seq_len, n_microbatches=m, recompute=recompute,
-                            attention="flash", convention=convention)
-    return mem.train_memory(spec, par, train, headroom=headroom, workspace_bytes=mem.DEFAULT_GPU_WORKSPACE_BYTES)
+@dataclass(frozen=True)
+class _Setup:
+    """Everything :func:`score_mesh` needs that is the same for every mesh of a plan."""
+
+    spec: ModelSpec
+    topo: Topology
+    seq_len: int
+    global_batch_size: int
+    zero: int
+    tries: tuple
+    sequence_parallel: bool
+    mfu: float
+    headroom: float
+    convention: str
+    activations: str
+    schedules: tuple
+    max_vpp: int
+    layers_per_stage: tuple | None
+    first_stage_layers: int | None
+    last_stage_layers: int | None
+    grad_bytes: float
+    param_bytes: float
+
+
+def _split_for(st: _Setup, pp: int) -> tuple[int, ...]:
+    if st.layers_per_stage is not None:
+        return mem.check_split(st.layers_per_stage, st.spec.n_layers, pp)
+    if pp > 1 and (st.first_stage_layers is not None or st.last_stage_layers is not None):
+        return mem.split_layers(st.spec.n_layers, pp, first=st.first_stage_layers, last=st.last_stage_layers)
+    return mem.split_layers(st.spec.n_layers, pp)
+
+
+def score_mesh(st: _Setup, dims: ParallelDims, mbs: int, *, schedules=None, recompute_tries=None) -> Candidate:
+    """Memory and time of one mesh (already valid by the rules): for the least recompute of ``tries`` with which
+    some schedule fits, the fastest fitting schedule; a memory rejection naming the shortfall otherwise.
+    ``schedules`` (a list of (schedule, v)) and ``recompute_tries`` override the plan's (the validation of a
+    published configuration fixes what the source states)."""
+    spec = padded_spec(st.spec, dims.tp)
+    cand = Candidate(dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, mbs)
+    m = st.global_batch_size // (dims.dp * mbs)
+    cand.n_microbatches = m
+    try:
+        split = _split_for(st, dims.pp)
+    except ValueError as e:
+        cand.rules, cand.reason = ["pp_layers"], f"[pp_layers] {e}"
+        return cand
+    cand.layers_per_stage = split
+    opts = schedules if schedules is not None else schedule_options(dims.pp, m, split, st.schedules, st.max_vpp)
+    if not opts:
+        cand.rules, cand.reason = ["pp_schedule"], (f"[pp_schedule] no schedule of {', '.join(st.schedules)} runs "
+                                                    f"pp={dims.pp} with m={m} micro-batches and split "
+                                                    f"{mem.format_split(split)}")
+        return cand
+    par = mem.ParallelConfig(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, zero=st.zero,
+                             sequence_parallel=st.sequence_parallel and dims.tp > 1, layers_per_stage=split)
+    cap = st.topo.memory_bytes
+    fitting, peaks = [], []
+    tries = recompute_tries or st.tries
+    for r in tries:
+        train = mem.TrainConfig(micro_batch_size=mbs, seq_len=st.seq_len, n_microbatches=m, recompute=r,
+                                attention="flash", convention=st.convention, activation_model=st.activations)
+        if r == "selective" and "none" in tries and _selective_saves_nothing(spec, train, par):
+            continue  # the same bytes as "none", which did not fit: selective cannot either
+        peaks = mem.train_peaks(spec, par, train, opts, headroom=st.headroom,
+                                workspace_bytes=mem.DEFAULT_GPU_WORKSPACE_BYTES)
+        fitting = [(o, pk) for o, pk in zip(opts, peaks, strict=True) if pk[0] <= cap]
+        if fitting:
+            break
+    cand.recompute = r
+    if not fitting:
+        (sched, v), (peak, stage, _) = min(zip(opts, peaks, strict=True), key=lambda x: x[1][0])
+        cand.schedule, cand.vpp, cand.peak_bytes_per_gpu, cand.peak_stage = sched, v, peak, stage
+        short = (peak - cap) / mem.GiB
+        cand.rules = ["memory"]
+        cand.reason = (f"[memory] does not fit even with recompute={r}: peak {peak / mem.GiB:.1f} GiB per GPU "
+                       f"(stage {stage}, {cand.schedule_text()}) > {cap / mem.GiB:.1f} GiB usable (short "
+                       f"{short:.2f} GiB)")
+        return cand
+    base = _step_base(spec, dims, st.topo, seq_len=st.seq_len, global_batch_size=st.global_batch_size,
+                      micro_batch_size=mbs, recompute=r, sequence_parallel=st.sequence_parallel, mfu=st.mfu,
+                      act_bytes=2, split=split)
+    best = None
+    for (sched, v), (peak, stage, n_local) in fitting:
+        t = _step_with(base, dims, st.topo, sched, v, st.zero, n_local, st.grad_bytes, st.param_bytes)
+        key = (t["step_time_s"], peak)
+        if best is None or key < best[0]:
+            best = (key, t, sched, v, peak, stage)
+    _, t, cand.schedule, cand.vpp, cand.peak_bytes_per_gpu, cand.peak_stage = best
+    cand.fits = True
+    cand.step_time_s, cand.predicted_mfu, cand.tokens_per_s = t["step_time_s"], t["predicted_mfu"], t["tokens_per_s"]
+    cand.predicted_hfu = t["predicted_hfu"]
+    cand.parts = {k: t[k] for k in TIME_PARTS} | {"dp_total_s": t["dp_total_s"], "imbalance": t["imbalance"]}
+    cand.links = t["links"]
+    dom = max((k for k in TIME_PARTS if k != "compute_s"), key=lambda k: cand.parts[k])
+    cand.dominant = f"{part_name(cand, dom)} {cand.parts[dom] / cand.step_time_s:.0%} of the step"
+    return cand
+
+
+def _selective_saves_nothing(spec: ModelSpec, train, par) -> bool:
+    """True when selective recompute keeps the same activation bytes as none for this configuration (no
+    core-attention items: flash attention, or Megatron's formula), so its memory is the same."""
+    from labkit.theory.memory.activations import _layer_activation_bytes
+    from labkit.theory.memory.train import _act_par, _no_recompute, _one_microbatch
+
+    act = _act_par(par.tp, par.cp, par.sequence_parallel)
+    one = _one_microbatch(train)
+    kinds = {spec.is_moe_layer(0), spec.is_moe_layer(spec.n_layers - 1)}
+    return all(_layer_activation_bytes(spec, one, act, k) == _layer_activation_bytes(spec, _no_recompute(one), act, k)
+               for k in kinds)
+
+
+def _setup(model, *, gpus, global_batch_size, seq_len, gpu, gpus_per_node, micro_batch_sizes, zero, recompute,
+           sequence_parallel, mfu, inter_link, headroom, convention, activations, max_tp, schedules, max_vpp,
+           nics_per_node, layers_per_stage, first_stage_layers, last_stage_layers):
+    """Validate :func:`plan`'s inputs (bounded: magnitudes first) and build the shared setup."""
+    spec = model if isinstance(model, ModelSpec) else get_spec(model)
+    mem.check_spec_bounds(spec)
+    gpus = mem.bounded_int("gpus", gpus, mem.MAX_DEGREE, what="GPUs in the cluster")
+    global_batch_size = mem.bounded_int("global_batch_size", global_batch_size, mem.MAX_BATCH)
+    seq_len = mem.bounded_int("seq_len", seq_len, mem.MAX_SEQ_LEN, what="tokens per sequence")
+    if max_tp is not None:
+        max_tp = positive_int("max_tp", max_tp)
+    topo = Topology.of(gpu, gpus_per_node, inter_link, nics_per_node)
+    topo.check_whole_nodes(gpus)
+    check_choice("recompute", recompute, RECOMPUTE_CHOICES)
+    check_choice("zero", zero, (0, 1, 2, 3))
+    headroom = mem.check_headroom(headroom)
+    mfu = positive_float("mfu", mfu)
+    if mfu > 1:
+        raise ValueError(f"mfu={mfu} must be a fraction of peak in (0, 1]")
+    mbs_list = sorted({mem.bounded_int("micro_batch_size", x, mem.MAX_BATCH) for x in micro_batch_sizes})
+    if not mbs_list:
+        raise ValueError("micro_batch_sizes is empty; give at least one, e.g. (1,)")
+    schedules = tuple(schedules)
+    for s_ in schedules:
+        check_choice("schedule", s_, SCHEDULE_CHOICES)
+    if not schedules:
+        raise ValueError(f"schedules is empty; give at least one of {', '.join(SCHEDULE_CHOICES)}")
+    max_vpp = mem.bounded_int("max_vpp", max_vpp, 64)
+    conv = mem.get_convention(convention)
+    check_choice("activations", activations, mem.ACTIVATION_MODELS)
+    if layers_per_stage is not None:
+        layers_per_stage = mem.check_split(layers_per_stage, spec.n_layers, len(tuple(layers_per_stage)))
+    if first_stage_layers is not None:
+        first_stage_layers = mem.bounded_int("first_stage_layers", first_stage_layers, spec.n_layers)
+    if last_stage_layers is not None:
+        last_stage_layers = mem.bounded_int("last_stage_layers", last_stage_layers, spec.n_layers)
+    if layers_per_stage is not None and (first_stage_layers or last_stage_layers):
+        raise ValueError("give layers_per_stage or first/last_stage_layers, not both")
+    tries = tuple(mem.RECOMPUTE) if recompute == "auto" else (recompute,)
+    st = _Setup(spec, topo, seq_len, global_batch_size, zero, tries, sequence_parallel, mfu, headroom, convention,
+                activations, schedules, max_vpp, layers_per_stage, first_stage_layers, last_stage_layers,
+                max(conv.grad_bits, 16) / 8, conv.param_bits / 8)
+    return st, mbs_list, max_tp, gpus
 
 
 def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: str = "h100-80gb",
          gpus_per_node: int = 8, micro_batch_sizes=(1,), zero: int = 1, recompute: str = "auto",
          sequence_parallel: bool = True, mfu: float = DEFAULT_MFU, inter_link: str = DEFAULT_INTER_LINK,
-         headroom: float = mem.DEFAULT_HEADROOM, convention: str = "zero", max_tp: int | None = None,
-         ep_choices=None) -> Plan:
+         headroom: float = mem.DEFAULT_HEADROOM, convention: str = DEFAULT_CONVENTION,
+         activations: str = DEFAULT_ACTIVATIONS, max_tp: int | None = None, ep_choices=None,
+         schedules=SCHEDULE_CHOICES, max_vpp: int = MAX_VPP, nics_per_node: int | None = None,
+         layers_per_stage=None, first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> Plan:
     """Enumerate, validate, estimate and rank every mesh of ``gpus`` GPUs for training ``model``.
 
     Args:
         model: a ModelSpec or a preset name (data/models.yaml).
         gpus: world size. global_batch_size: sequences per step. seq_len: tokens per sequence.
         gpu: a GPU of data/hardware.yaml with memory, peak bf16 FLOP/s and NVLink (:func:`plannable_gpus`).
-        gpus_per_node: GPUs joined by NVLink; nodes are joined by ``inter_link``.
+        gpus_per_node: GPUs joined by NVLink; nodes are joined by ``inter_link`` through ``nics_per_node`` NICs
+            (None: one per GPU, rail-optimised).
         micro_batch_sizes: micro-batch sizes to try for every mesh.
         zero: ZeRO stage over dp·cp (1 = Megatron's distributed optimizer). recompute: ``auto`` (least that
             fits) or one of none / selective / full. sequence_parallel: with tp > 1.
         mfu: assumed fraction of peak FLOP/s reached by compute kernels (:func:`step_time`).
-        headroom: allocator headroom for the memory verdict (labkit.theory.memory). convention: bytes per parameter.
+        headroom: allocator headroom for the memory verdict. convention / activations: the calculator's
+            bytes-per-parameter convention and activation model (defaults :data:`DEFAULT_CONVENTION`,
+            :data:`DEFAULT_ACTIVATIONS`: Megatron-LM's, see there).
+        schedules: pipeline schedules to consider (:data:`SCHEDULE_CHOICES`); max_vpp: most interleaved chunks.
+        layers_per_stage: a fixed stage split (only meshes with pp = its length are then scored), or
+            first_stage_layers / last_stage_layers (Megatron's options; the other stages split the rest evenly);
+            default: derived per pp (:func:`labkit.theory.memory.split_layers`).
         max_tp: cap on tp (default None: no cap; an integer >= 1 otherwise). ep_choices: expert-parallel
             degrees to try for MoE models (default: every divisor of n_experts).
 
-    Returns a :class:`Plan`. Raises ValueError for bad input (unknown model or GPU, gpus < 1, a world that is
-    not a whole number of nodes, ...) and when no mesh fits: the message names the closest mesh and its
-    shortfall, or the rules that rejected every mesh.
+    Returns a :class:`Plan`. Raises ValueError for bad input (unknown model or GPU, gpus < 1 or absurdly large,
+    a world that is not a whole number of nodes, a bad split, NaN or out-of-range efficiencies, ...) before any
+    search, and when no mesh fits: the message names the closest mesh and its shortfall, or the rules that
+    rejected every mesh.
     """
-    spec = model if isinstance(model, ModelSpec) else get_spec(model)
-    gpus = positive_int("gpus", gpus)
-    global_batch_size = positive_int("global_batch_size", global_batch_size)
-    seq_len = positive_int("seq_len", seq_len)
-    if max_tp is not None:
-        max_tp = positive_int("max_tp", max_tp)
-    topo = Topology.of(gpu, gpus_per_node, inter_link)
-    topo.check_whole_nodes(gpus)
-    check_choice("recompute", recompute, RECOMPUTE_CHOICES)
-    check_choice("zero", zero, (0, 1, 2, 3))
-    headroom = positive_float("headroom", headroom, allow_zero=True)
-    mfu = positive_float("mfu", mfu)
-    if mfu > 1:
-        raise ValueError(f"mfu={mfu} must be a fraction of peak in (0, 1]")
-    mbs_list = sorted({positive_int("micro_batch_size", x) for x in micro_batch_sizes})
-    if not mbs_list:
-        raise ValueError("micro_batch_sizes is empty; give at least one, e.g. (1,)")
+    st, mbs_list, max_tp, gpus = _setup(
+        model, gpus=gpus, global_batch_size=global_batch_size, seq_len=seq_len, gpu=gpu, gpus_per_node=gpus_per_node,
+        micro_batch_sizes=micro_batch_sizes, zero=zero, recompute=recompute, sequence_parallel=sequence_parallel,
+        mfu=mfu, inter_link=inter_link, headroom=headroom, convention=convention, activations=activations,
+        max_tp=max_tp, schedules=schedules, max_vpp=max_vpp, nics_per_node=nics_per_node,
+        layers_per_stage=layers_per_stage, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+    spec, topo = st.spec, st.topo
     if ep_choices is None:
         ep_choices = [d for d in range(1, spec.n_experts + 1) if spec.n_experts % d == 0] if spec.is_moe else [1]
-    tries = list(mem.RECOMPUTE) if recompute == "auto" else [recompute]
-    conv = mem.get_convention(convention)
-    grad_bytes, param_bytes = max(conv.grad_bits, 16) / 8, conv.param_bits / 8
     inputs = {"model": spec.name, "gpus": gpus, "gpu": gpu, "gpus_per_node": topo.gpus_per_node,
-              "seq_len": seq_len, "global_batch_size": global_batch_size, "micro_batch_sizes": mbs_list,
-              "zero": zero, "recompute": recompute, "sequence_parallel": sequence_parallel, "mfu": mfu,
-              "inter_link": topo.inter.name, "headroom": headroom, "convention": convention}
+              "seq_len": st.seq_len, "global_batch_size": st.global_batch_size, "micro_batch_sizes": mbs_list,
+              "zero": zero, "recompute": recompute, "sequence_parallel": sequence_parallel, "mfu": st.mfu,
+              "inter_link": topo.inter.name, "nics_per_node": topo.nics_per_node, "headroom": st.headroom,
+              "convention": convention, "activations": st.activations, "schedules": list(st.schedules),
+              "max_vpp": st.max_vpp, "layers_per_stage": list(st.layers_per_stage) if st.layers_per_stage else None}
     assumptions = {"intra_link": topo.intra.name, "inter_link": topo.inter.name, "peak_flops": topo.peak_flops,
-                   "device_bytes": topo.memory_bytes, "schedule": "1f1b", "attention": "flash",
-                   "order": "tp-cp-dp-pp (innermost first)",
+                   "device_bytes": topo.memory_bytes, "datasheet_bytes": topo.device_bytes,
+                   "device_capacity": mem.capacity_note(costmodel.get_device(gpu)),
+                   "attention": "flash", "order": "tp-cp-dp-pp (innermost first)",
+                   "collectives": "ring inside a node, hierarchical across nodes over nics_per_node NICs "
+                                  "(labkit.theory.costmodel.placed_collective_time)",
+                   "stage_split": "given" if st.layers_per_stage else (
+                       "first/last given, the rest even" if (st.first_stage_layers or st.last_stage_layers)
+                       else "derived: even when pp divides n_layers, else embedding and loss counted as a layer"),
                    "vocab_padding": f"to a multiple of {VOCAB_MULTIPLE}*tp when tp does not divide vocab_size"}
     fitting, rejected = [], []
     n_enum = n_scored = 0
-    specs = {}
-    for dims in enumerate_dims(gpus, max_tp=max_tp, ep_choices=ep_choices):
+    for dims in enumerate_dims(gpus, max_tp=max_tp, max_pp=spec.n_layers, ep_choices=ep_choices):
+        if st.layers_per_stage is not None and dims.pp != len(st.layers_per_stage):
+            continue
         for mbs in mbs_list:
             n_enum += 1
-            cand = Candidate(dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, mbs)
-            bad = dims.violations(spec, seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=mbs,
-                                  gpus_per_node=topo.gpus_per_node)
+            bad = dims.violations(spec, seq_len=st.seq_len, global_batch_size=st.global_batch_size,
+                                  micro_batch_size=mbs, gpus_per_node=topo.gpus_per_node)
             if bad:
+                cand = Candidate(dims.dp, dims.tp, dims.pp, dims.cp, dims.ep, mbs)
                 cand.rules = [v.rule for v in bad]
                 cand.reason = "; ".join(v.message for v in bad)
                 rejected.append(cand)
                 continue
             n_scored += 1
-            m = global_batch_size // (dims.dp * mbs)
-            cand.n_microbatches = m
-            sp = specs.setdefault(dims.tp, padded_spec(spec, dims.tp))
-            for r in tries:
-                est = _memory(sp, dims, topo, seq_len=seq_len, mbs=mbs, m=m, recompute=r, zero=zero,
-                              sp=sequence_parallel, headroom=headroom, convention=convention)
-                if est.total_bytes <= topo.memory_bytes:
-                    break
-            cand.recompute, cand.peak_bytes_per_gpu = r, est.total_bytes
-            cand.fits = est.total_bytes <= topo.memory_bytes
-            t = step_time(sp, dims, topo, seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=mbs,
-                          recompute=r, zero=zero, sequence_parallel=sequence_parallel, mfu=mfu,
-                          n_params_local=est.n_params_local, grad_bytes=grad_bytes, param_bytes=param_bytes)
-            cand.step_time_s, cand.predicted_mfu, cand.tokens_per_s = t["step_time_s"], t["predicted_mfu"], \
-                t["tokens_per_s"]
-            cand.parts = {k: t[k] for k in TIME_PARTS} | {"dp_total_s": t["dp_total_s"]}
-            cand.links = t["links"]
-            if cand.fits:
-                fitting.append(cand)
-            else:
-                short = (est.total_bytes - topo.memory_bytes) / mem.GiB
-                cand.rules = ["memory"]
-                cand.reason = (f"[memory] does not fit even with recompute={r}: peak {est.total_bytes / mem.GiB:.1f} "
-                               f"GiB per GPU > {topo.memory_bytes / mem.GiB:.1f} GiB (short {short:.2f} GiB)")
-                rejected.append(cand)
+            cand = score_mesh(st, dims, mbs)
+            (fitting if cand.fits else rejected).append(cand)
     result = Plan(fitting, rejected, inputs, assumptions, n_enum, n_scored)
     if not fitting:
         raise ValueError(_nothing_fits(spec, result, topo))
@@ -442,18 +463,19 @@ def _nothing_fits(spec, result: Plan, topo: Topology) -> str:
                 f"{i['global_batch_size']}): every mesh breaks a rule: {rules}; e.g. {first}")
     best = min(mem_rej, key=lambda c: c.peak_bytes_per_gpu)
     short = (best.peak_bytes_per_gpu - topo.memory_bytes) / mem.GiB
-    bigger = [g for g in plannable_gpus() if costmodel.get_device(g)["memory_bytes"] >= best.peak_bytes_per_gpu]
+    bigger = [g for g in plannable_gpus() if mem.usable_bytes(costmodel.get_device(g)) >= best.peak_bytes_per_gpu]
     fixes = ["more GPUs"] + (["ZeRO-3 (--zero 3)"] if i["zero"] < 3 else []) + ["a shorter sequence"]
     if bigger:
         fixes.append(f"a GPU with more memory ({', '.join(bigger)})")
     return (f"{spec.name} fits on no mesh of {where} (seq_len={i['seq_len']}, global_batch_size="
             f"{i['global_batch_size']}): the smallest shortfall is {short:.1f} GiB per GPU, at {best.mesh()} with "
             f"recompute={best.recompute} (peak {best.peak_bytes_per_gpu / mem.GiB:.1f} GiB > "
-            f"{topo.memory_bytes / mem.GiB:.1f} GiB); use {', '.join(fixes[:-1])} or {fixes[-1]}")
+            f"{topo.memory_bytes / mem.GiB:.1f} GiB usable); use {', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 def _explain(ranked: list[Candidate]) -> None:
-    """Set rank and reason: #1 by its breakdown; the others by what costs them most against #1."""
+    """Set rank and reason: #1 by its breakdown; the others by what costs them most against #1; every reason
+    ends with the term that dominates the candidate's own step."""
     top = ranked[0]
     for i, c in enumerate(ranked, 1):
         c.rank = i
@@ -469,13 +491,16 @@ def _explain(ranked: list[Candidate]) -> None:
               f"({c.parts[worst]:.3g} s vs {top.parts[worst]:.3g} s{_link_note(c, worst, short=True)})"
         if c.recompute != top.recompute and worst == "compute_s":
             why += f"; needs recompute={c.recompute} to fit"
-        c.reason = why
+        c.reason = why + (f"; dominant overhead: {c.dominant}" if c.dominant else "")
 
 
 def part_name(c: Candidate, part: str) -> str:
     """The name of a time part of ``c`` for a reason: :data:`PART_NAMES`, except ``dp_s``, which is the gradient
     sync over the dp*cp group (see :func:`step_time`), named after the dimensions that really form that group:
-    "DP comm" when cp=1, "CP gradient sync" when dp=1, "DP x CP gradient sync" when both are > 1."""
+    "DP comm" when cp=1, "CP gradient sync" when dp=1, "DP x CP gradient sync" when both are > 1; and the bubble,
+    named with its schedule."""
+    if part == "bubble_s" and c.schedule and c.pp > 1:
+        return f"pipeline bubble ({c.schedule_text()})"
     if part != "dp_s" or c.cp == 1:
         return PART_NAMES[part]
     if c.dp == 1:
@@ -488,6 +513,18 @@ def _link_note(c: Candidate, part: str, short: bool = False) -> str:
     if dim is None:
         if part == "bubble_s":
             return f"; pp={c.pp}, m={c.n_microbatches}" if short else f" (pp={c.pp}, {c.n_microbatches} micro-batches)"
+        if part == "compute_s" and c.parts.get("imbalance", 1) > 1.001:
+            return f"; stage imbalance x{c.parts['imbalance']:.2f}" if short else ""
         return ""
     link = c.links.get(dim, "-")
     return f", over {link}" if short else f" over {link}"
+
+
+def validate_published(**kwargs) -> list[dict]:
+    """The published-runs validation table: one row per training run of data/reference/published/training.csv
+    that names a mesh — does the calculator accept it, does it fit, where the planner ranks it, predicted vs
+    published MFU. See :func:`labkit.theory.published.validate_published` (this is that function)."""
+    from labkit.theory.published import validate_published as _validate
+
+    return _validate(**kwargs)
+

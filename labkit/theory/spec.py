@@ -186,7 +186,7 @@ class ModelSpec:
 @functools.lru_cache(maxsize=4)
 def _load_yaml(path: str) -> dict:
     with open(path) as f:
-        return yaml.safe_load(f) or {}
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # libyaml when built
 
 
 def presets(path: str | Path | None = None) -> dict[str, ModelSpec]:

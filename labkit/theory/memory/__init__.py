@@ -42,7 +42,8 @@ mem; mem.train_memory(...)`` is the way to call them)
 ------------------------------------------------------------------------------------------------------------------
 * :mod:`.conventions` — units, dtypes, bytes-per-parameter conventions, the ZeRO paper's formula;
 * :mod:`.config` — ParallelConfig (and its divisibility rules), TrainConfig, InferConfig, kv heads per rank;
-* :mod:`.stages` — the pipeline-stage split (layers per stage) and the micro-batches each stage holds in flight;
+* :mod:`.stages` — the pipeline-stage split (layers per stage: even, given, or derived with fewer layers on the
+  first and last stages) and the micro-batches each stage holds in flight;
 * :mod:`.params` — parameter tensors by name and shape, the ones each rank holds, ZeRO sharding of their states;
 * :mod:`.activations` — what autograd saves, item by item, per layer and on the edge stages;
 * :mod:`.budget` — MemoryEstimate, its table, the devices of data/hardware.yaml;
@@ -56,8 +57,19 @@ from labkit.theory.memory.activations import (
     edge_activation_items,
     korthikanti_table2,
 )
-from labkit.theory.memory.budget import MemoryEstimate, devices, format_table, get_device
-from labkit.theory.memory.config import InferConfig, ParallelConfig, TrainConfig, kv_heads_per_rank
+from labkit.theory.memory.budget import MemoryEstimate, capacity_note, devices, format_table, get_device, usable_bytes
+from labkit.theory.memory.config import (
+    VOCAB_MULTIPLE,
+    InferConfig,
+    ParallelConfig,
+    TrainConfig,
+    check_spec_bounds,
+    check_tp,
+    kv_heads_per_rank,
+    padded_spec,
+    padded_vocab_size,
+    valid_tp,
+)
 from labkit.theory.memory.conventions import (
     ACTIVATION_MODELS,
     ATTENTION,
@@ -69,7 +81,13 @@ from labkit.theory.memory.conventions import (
     DTYPE_BITS,
     GB,
     KERNELS,
+    MAX_BATCH,
+    MAX_DEGREE,
+    MAX_EXPERTS,
     MAX_HEADROOM,
+    MAX_LAYERS,
+    MAX_SEQ_LEN,
+    MAX_WIDTH,
     MODES,
     OPTIMIZERS,
     QUANT_GROUP,
@@ -78,6 +96,7 @@ from labkit.theory.memory.conventions import (
     SHARD_LAYOUTS,
     Convention,
     GiB,
+    bounded_int,
     canonical_dtype,
     check_headroom,
     dtype_bits,
@@ -87,18 +106,29 @@ from labkit.theory.memory.conventions import (
 )
 from labkit.theory.memory.infer import infer_memory, kv_cache_bytes
 from labkit.theory.memory.params import ParamTensor, local_param_tensors, param_tensors, shard_numel
-from labkit.theory.memory.stages import in_flight_microbatches, stage_layers
+from labkit.theory.memory.stages import (
+    check_split,
+    chunk_split,
+    format_split,
+    in_flight_microbatches,
+    resolve_split,
+    split_layers,
+    stage_layers,
+)
 from labkit.theory.memory.tables import convention_table, estimate, layout_rows, serving_rows
-from labkit.theory.memory.train import train_memory
+from labkit.theory.memory.train import train_memory, train_peaks
 
 __all__ = [
     "ACTIVATION_MODELS", "ATTENTION", "CATEGORIES", "CONVENTIONS", "DEFAULT_BUCKET_BYTES",
-    "DEFAULT_GPU_WORKSPACE_BYTES", "DEFAULT_HEADROOM", "DTYPE_BITS", "GB", "KERNELS", "MAX_HEADROOM", "MODES",
-    "OPTIMIZERS", "QUANT_GROUP", "RECOMPUTE", "SCHEDULES", "SHARD_LAYOUTS", "ActivationItem", "Convention", "GiB",
+    "DEFAULT_GPU_WORKSPACE_BYTES", "DEFAULT_HEADROOM", "DTYPE_BITS", "GB", "KERNELS", "MAX_BATCH", "MAX_DEGREE",
+    "MAX_EXPERTS", "MAX_HEADROOM", "MAX_LAYERS", "MAX_SEQ_LEN", "MAX_WIDTH", "MODES", "OPTIMIZERS", "QUANT_GROUP",
+    "RECOMPUTE", "SCHEDULES", "SHARD_LAYOUTS", "VOCAB_MULTIPLE", "ActivationItem", "Convention", "GiB",
     "InferConfig", "MemoryEstimate", "ParallelConfig", "ParamTensor", "TrainConfig", "activation_bytes_per_layer",
-    "activation_items", "canonical_dtype", "check_headroom", "convention_table", "devices", "dtype_bits",
-    "edge_activation_items", "estimate", "format_table", "get_convention", "get_device", "in_flight_microbatches",
-    "infer_memory", "korthikanti_table2", "kv_cache_bytes", "kv_heads_per_rank", "layout_rows",
-    "local_param_tensors", "nbytes", "param_tensors", "serving_rows", "shard_numel", "stage_layers", "train_memory",
-    "zero_model_state_bytes",
+    "activation_items", "bounded_int", "canonical_dtype", "capacity_note", "check_headroom", "check_split",
+    "check_spec_bounds", "check_tp", "chunk_split", "convention_table", "devices", "dtype_bits",
+    "edge_activation_items", "estimate", "format_split", "format_table", "get_convention", "get_device",
+    "in_flight_microbatches", "infer_memory", "korthikanti_table2", "kv_cache_bytes", "kv_heads_per_rank",
+    "layout_rows", "local_param_tensors", "nbytes", "padded_spec", "padded_vocab_size", "param_tensors",
+    "resolve_split", "serving_rows", "shard_numel", "split_layers", "stage_layers", "train_memory", "train_peaks",
+    "usable_bytes", "valid_tp", "zero_model_state_bytes",
 ]

@@ -42,6 +42,15 @@ def activation_items(spec: ModelSpec, train: TrainConfig, parallel: ParallelConf
     core attention 5as²b/t (softmax output, dropout mask, dropout output). Sequence parallelism also splits
     the replicated part by t. Flash attention drops the s² terms (what selective recompute does).
 
+    ``activation_model="megatron"``: Megatron-LM's own formula (``megatron/training/theoretical_memory_usage.py``,
+    ``compute_activation_memory``): sbh·(18 + 4·f/h) bytes per layer for 16-bit activations and 1-byte masks,
+    which is Table 2's 34sbh with the MLP's 16sbh generalised to f = ffn_hidden_size, dropout masks always
+    counted, and neither GQA (K and V counted at full width) nor SwiGLU's third matrix (two f-wide tensors)
+    modelled — the formula as the framework states it. Megatron divides it all by t (it assumes sequence
+    parallelism); without it the replicated 10sbh (Table 2) stays whole. Core attention (5as²b/t) only with
+    eager attention. MoE layers: f = expert_ffn_hidden_size·top_k·capacity_factor plus router logits (the
+    lab's extension; Megatron's formula covers dense layers).
+
     ``activation_model="lab"``: the lab's derivation, item by item, of what torch 2.13 autograd saves for
     ``labkit.models.Block`` (checked to the byte on CPU by tests/test_measure.py). Per token (n = b·s/cp
     tokens), e = bytes of the activation dtype, q = n_heads·head_dim, kv' = q when GQA repeats K/V to every
@@ -86,6 +95,8 @@ def activation_items(spec: ModelSpec, train: TrainConfig, parallel: ParallelConf
     def add(name, nb, core=False, note=""):
         items.append(ActivationItem(name, int(round(nb)), "layer", core, note))
 
+    if train.activation_model == "megatron":
+        return _megatron_items(spec, train, n, h, e, t, rep, moe_layer, add, items)
     if train.activation_model == "korthikanti":
         if moe_layer:
             raise ValueError("activation_model='korthikanti' covers dense GPT blocks only; use 'lab' for MoE")
@@ -154,6 +165,28 @@ def activation_items(spec: ModelSpec, train: TrainConfig, parallel: ParallelConf
     return items
 
 
+def _megatron_items(spec, train, n, h, e, t, rep, moe_layer, add, items):
+    m = 1  # bytes per dropout-mask element, as Megatron's formula counts them
+    b, s, heads = train.micro_batch_size, n // train.micro_batch_size, spec.n_heads
+    f = spec.ffn_hidden_size
+    if moe_layer:
+        f = spec.expert_ffn_hidden_size * spec.top_k * train.capacity_factor
+    note = "Megatron-LM theoretical_memory_usage.py: sbh(18 + 4f/h)"
+    add("layernorm inputs", 2 * n * h * e / rep, note=note)
+    add("qkv input", n * h * e / rep)
+    add("mlp input", n * h * e / rep)
+    add("dropout masks (attention, mlp)", 2 * n * h * m / rep)
+    add("q, k, v", 3 * n * h * e / t)
+    add("projection input", n * h * e / t)
+    add("mlp activations (fc1 output and activation output)", 2 * n * f * e / t)
+    if moe_layer:
+        add("router logits", n * spec.n_experts * 4)
+    if train.attention == "eager":
+        add("softmax output", b * heads * s * s * e / t, core=True)
+        add("attention dropout mask and output", b * heads * s * s * (m + e) / t, core=True)
+    return items
+
+
 def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, *, sp: bool = False,
                        recompute: str = "none") -> float:
     """Activation bytes per transformer layer, Korthikanti et al. 2022, Table 2 (16-bit activations, dropout):
@@ -203,6 +236,9 @@ def edge_activation_items(spec: ModelSpec, train: TrainConfig,
                           parallel: ParallelConfig | None = None) -> list[ActivationItem]:
     """Activations outside the layers, per micro-batch, on one rank.
 
+    ``activation_model="megatron"``: Megatron-LM's terms as its formula states them (8sb/t token ids and sbh/t
+    embedding dropout on the first stage, 4sbh(1 + v/h)/t output layer and loss on the last).
+
     First stage: token ids (int64, 8 bytes/token; Megatron's 8sb), learned positions (int64 per sequence),
     embedding dropout mask (sbh·m). Last stage: the final norm (as in :func:`activation_items`), the output
     projection input sbh·e, the log-softmax output of the cross-entropy in fp32 (labkit.models.lm_loss
@@ -217,6 +253,12 @@ def edge_activation_items(spec: ModelSpec, train: TrainConfig,
     cpu = train.kernels == "cpu"
     m = e if cpu else 1
     h = spec.hidden_size
+    if train.activation_model == "megatron":  # theoretical_memory_usage.py, everything divided by t
+        return [ActivationItem("token ids", int(round(8 * n / t)), "first_stage", note="Megatron: 8sb/t"),
+                ActivationItem("embedding dropout mask", int(round(n * h / t)), "first_stage", note="Megatron: sbh/t"),
+                ActivationItem("output layer input and cross-entropy",
+                               int(round(4 * n * h * (1 + spec.vocab_size / h) / t)), "last_stage",
+                               note="Megatron: 4sbh(1 + v/h)/t")]
     out = [ActivationItem("token ids", 8 * n, "first_stage", note="int64, saved by the embedding")]
     if spec.position == "learned":
         out.append(ActivationItem("positions", 8 * s, "first_stage", note="int64"))

@@ -21,13 +21,30 @@ from labkit.theory.spec import ModelSpec, get_spec
 @functools.lru_cache(maxsize=4)
 def _load_hardware(path: str) -> dict:
     with open(path) as f:
-        return yaml.safe_load(f) or {}
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # libyaml when built
 
 
 def devices() -> dict[str, dict]:
     """Device entries of ``data/hardware.yaml`` (``devices:``): name -> {memory_bytes, source, ...}."""
     raw = _load_hardware(str(data_dir() / "hardware.yaml"))
     return {k: dict(v) for k, v in (raw.get("devices") or {}).items() if isinstance(v, dict) and "memory_bytes" in v}
+
+
+def usable_bytes(dev: dict) -> int:
+    """The bytes a program can use on device ``dev`` (a :func:`get_device` dict): its ``usable_memory_bytes``
+    from data/hardware.yaml — what CUDA reports as the device's total memory (``cudaDeviceProp::totalGlobalMem``,
+    torch's ``get_device_properties().total_memory``), read from a published deviceQuery output cited there;
+    it excludes what the driver reserves, ~0.8 GiB on an 80 GiB part — else the datasheet ``memory_bytes``."""
+    return int(dev.get("usable_memory_bytes") or dev["memory_bytes"])
+
+
+def capacity_note(dev: dict) -> str:
+    """One phrase saying which capacity the verdict uses for ``dev`` and where it comes from."""
+    usable = usable_bytes(dev)
+    if usable == int(dev["memory_bytes"]):
+        return f"{usable / GiB:.2f} GiB (datasheet; no program-visible figure recorded)"
+    return (f"{usable / GiB:.2f} GiB program-visible of {int(dev['memory_bytes']) / GiB:.0f} GiB datasheet "
+            f"({dev.get('usable_memory_source', 'data/hardware.yaml')})")
 
 
 def get_device(name: str) -> dict:
@@ -48,7 +65,8 @@ class MemoryEstimate:
     ``categories``: name -> bytes (every name of :data:`CATEGORIES`, 0 when it does not apply);
     ``n_params`` (whole model), ``n_params_local`` (held by this rank before ZeRO sharding), ``stage``
     (the pipeline rank reported: the one with the highest peak), ``per_stage`` (peak bytes of every stage),
-    ``device`` / ``device_bytes`` / ``fits`` (None without a device), ``assumptions`` (every choice made).
+    ``device`` / ``device_bytes`` / ``fits`` (None without a device; ``device_bytes`` is the program-visible
+    capacity, :func:`usable_bytes`), ``assumptions`` (every choice made).
     """
 
     mode: str
@@ -88,7 +106,7 @@ class MemoryEstimate:
         if self.device_bytes is None:
             return f"{peak} (no device given)"
         word = "fits" if self.fits else "does NOT fit"
-        return (f"{peak}: {word} on {self.device} ({self.device_bytes / GiB:.1f} GiB; "
+        return (f"{peak}: {word} on {self.device} ({self.device_bytes / GiB:.1f} GiB usable; "
                 f"{'free' if self.fits else 'short'} {abs(self.device_bytes - self.total_bytes) / GiB:.2f} GiB)")
 
     def to_dict(self) -> dict:

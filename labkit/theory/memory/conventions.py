@@ -14,13 +14,13 @@ GB = 10**9
 #: the categories of a budget, in the order they stack
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "communication", "kv_cache",
               "workspace", "headroom")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 #: how a ZeRO shard splits each tensor over the dp·cp ranks (see :func:`shard_numel`)
 SHARD_LAYOUTS = ("even", "dim0")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("eager", "flash")
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
-ACTIVATION_MODELS = ("lab", "korthikanti")
+ACTIVATION_MODELS = ("lab", "korthikanti", "megatron")
 KERNELS = ("cpu", "cuda")
 MODES = ("train", "infer")
 
@@ -37,6 +37,29 @@ DEFAULT_GPU_WORKSPACE_BYTES = 1 * GiB
 DEFAULT_HEADROOM = 0.15
 #: the largest allocator headroom accepted, as a fraction of the other bytes (1.0 = doubling the budget)
 MAX_HEADROOM = 1.0
+
+# Magnitude bounds, checked before any arithmetic or divisor search, so that an absurd input (a sequence of
+# 10**18 tokens, a billion GPUs) is a ValueError in microseconds, never a loop over its divisors. Each is far
+# beyond any published run: the largest published training contexts are ~10**7 tokens, the largest clusters
+# ~10**5 GPUs, the deepest models ~10**2 layers.
+#: the largest parallel degree or GPU count
+MAX_DEGREE = 2**20
+#: the longest sequence (tokens), and the most sequences per (micro-)batch or micro-batches per step
+MAX_SEQ_LEN = 2**24
+MAX_BATCH = 2**24
+#: the most layers, experts; the widest hidden / ffn / vocabulary / head count of a model spec
+MAX_LAYERS = 2**14
+MAX_EXPERTS = 2**12
+MAX_WIDTH = 2**22
+
+
+def bounded_int(name: str, value, maximum: int, *, minimum: int = 1, what: str = "") -> int:
+    """``value`` as an int in [minimum, maximum] (:func:`labkit.checks.positive_int`, then the upper bound);
+    else ValueError naming it and the valid range. Constant time whatever the magnitude."""
+    n = positive_int(name, value, minimum=minimum)
+    if n > maximum:
+        raise ValueError(f"{name}={n} is out of range: valid {minimum}..{maximum}{f' ({what})' if what else ''}")
+    return n
 
 
 def dtype_bits(name: str) -> int:
@@ -99,6 +122,13 @@ class Convention:
     grad_fp32_bits: int = 0
     step_bytes: int = 0
     source: str = ""
+    #: the ZeRO stage from which the 16-bit gradients are sharded (2 in the ZeRO paper; 4 = never)
+    grad_shard_stage: int = 2
+    #: at ZeRO-3 the 16-bit gradients are not held at all (reduced straight into the sharded fp32 copy)
+    no_grads_at_zero3: bool = False
+    #: bytes per parameter of the largest layer held unsharded at ZeRO-3 (None: the lab's prefetch assumption,
+    #: :func:`labkit.theory.memory.train_memory`'s temporary category)
+    largest_layer_bytes: float | None = None
 
     def bytes_per_param(self, optimizer: str = "adamw") -> float:
         """Unsharded bytes per parameter with ``optimizer`` (step counters excluded; Adafactor's factored
@@ -123,9 +153,13 @@ CONVENTIONS: dict[str, Convention] = {
     "megatron": Convention("megatron", 16, 32, 32, 32, source=(
         "Megatron-LM theoretical_memory_usage.py: 18 bytes/param = 2 (bf16 params) + 4 (fp32 main grads) + "
         "12 (fp32 params, Adam moments); distributed optimizer (ZeRO-1) 6 + 12/dp")),
-    "deepspeed": Convention("deepspeed", 16, 16, 32, 32, grad_fp32_bits=32, source=(
-        "DeepSpeed stage_1_and_2.py estimate_zero2_model_states_mem_needs: 2 (fp16 params) + 18/N, "
-        "18 = 2 fp16 grads + 4 fp32 grads + 4 fp32 params + 8 optimizer states")),
+    "deepspeed": Convention("deepspeed", 16, 16, 32, 32, grad_fp32_bits=32, grad_shard_stage=4, no_grads_at_zero3=True,
+                            largest_layer_bytes=4.0, source=(
+        "DeepSpeed's own estimators (no offload): deepspeed/runtime/zero/stage_1_and_2.py "
+        "estimate_zero2_model_states_mem_needs: gpu_mem = 4*total_params + 16*total_params/total_gpus (fp16 "
+        "params and grads unsharded, fp32 params, grads and Adam moments sharded), used here for ZeRO-1 and 2; "
+        "stage3.py estimate_zero3_model_states_mem_needs: 4*largest_layer_params + 18*total_params/total_gpus "
+        "(no fp16 gradient buffer); unsharded 2 + 2 + 16 = 20 bytes/param")),
     "scaling-book": Convention("scaling-book", 16, 0, 0, 32, source=(
         "Austin et al. 2025, How to Scale Your Model (training chapter): 10 bytes/param = 2 (bf16 params) + "
         "8 (fp32 Adam moments); gradients are not held as a persistent buffer")),

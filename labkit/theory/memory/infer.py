@@ -8,8 +8,8 @@ import math
 from dataclasses import asdict
 
 from labkit.checks import check_divides, positive_int
-from labkit.theory.memory.budget import MemoryEstimate, _device_info, _finish, _resolve_model
-from labkit.theory.memory.config import InferConfig, ParallelConfig, kv_heads_per_rank
+from labkit.theory.memory.budget import MemoryEstimate, _device_info, _finish, _resolve_model, usable_bytes
+from labkit.theory.memory.config import InferConfig, ParallelConfig, check_spec_bounds, kv_heads_per_rank, padded_spec
 from labkit.theory.memory.conventions import (
     DEFAULT_HEADROOM,
     QUANT_GROUP,
@@ -46,7 +46,8 @@ def infer_memory(model, parallel: ParallelConfig | None = None, infer: InferConf
     * parameters — every local tensor at ``weight_dtype`` (int8/int4 add one fp16 scale per
       :data:`QUANT_GROUP` weights; the lab quantises every tensor, embeddings and norms included).
     * kv_cache — :func:`kv_cache_bytes` for batch × (prompt + output) tokens, split by tp (kv heads
-      replicated when tp > n_kv_heads: :func:`kv_heads_per_rank`) and pp (and cp).
+      replicated when tp > n_kv_heads: :func:`kv_heads_per_rank`), cp, and pp by the stage's layers (the
+      stage split of :meth:`ParallelConfig.split`: uneven when pp does not divide n_layers).
     * workspace — the largest prefill transient of one layer (lab assumption): n·(h + q/t + 2kv' +
       max(2q/t, 3f/t))·e (kv' = kv heads per rank × head_dim) with n = ``prefill_tokens`` (default one
       prompt), plus the eager score matrix (n/s sequences)·a/t·s²·e, plus the fp32 logits of one token per
@@ -63,7 +64,9 @@ def infer_memory(model, parallel: ParallelConfig | None = None, infer: InferConf
     if not isinstance(spec, ModelSpec):
         raise ValueError("mode 'infer' needs a model spec (--model), not a bare parameter count: the KV cache "
                          "depends on layers and heads")
+    spec = padded_spec(check_spec_bounds(spec), parallel.tp)
     parallel.check(spec, infer.prompt_len if parallel.cp > 1 else None)
+    split = parallel.split(spec.n_layers)
     dev, workspace = _device_info(device, workspace_bytes)
     wbits = dtype_bits(infer.weight_dtype)
     e = dtype_bits(infer.act_dtype) / 8
@@ -75,7 +78,7 @@ def infer_memory(model, parallel: ParallelConfig | None = None, infer: InferConf
         cats = {"parameters": nbytes(n_local, wbits)}
         if infer.weight_dtype in ("int8", "int4"):
             cats["parameters"] += 2 * sum(_ceil_div(math.prod(x.local_shape(t)), QUANT_GROUP) for x in tensors)
-        n_stage_layers = spec.n_layers // parallel.pp
+        n_stage_layers = split[stage]
         kv_heads = kv_heads_per_rank(spec.n_heads, spec.n_kv_heads, t)
         cats["kv_cache"] = nbytes(2 * n_stage_layers * kv_heads * spec.head_dim * infer.batch
                                   * _ceil_div(infer.context_len, parallel.cp), infer.kv_bits())
@@ -112,4 +115,4 @@ def infer_memory(model, parallel: ParallelConfig | None = None, infer: InferConf
                    "kv_formula": "2 * n_layers/pp * kv_heads_per_rank * head_dim * bytes * batch * (prompt + "
                                  "output); kv_heads_per_rank = n_kv_heads/tp, or 1 when tp > n_kv_heads (replicated)"}
     return MemoryEstimate("infer", cats, spec.n_params(), n_local, assumptions, stage, per_stage,
-                          dev["name"] if dev else None, dev["memory_bytes"] if dev else None)
+                          dev["name"] if dev else None, usable_bytes(dev) if dev else None)

@@ -109,15 +109,18 @@ def local_param_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 
     """The tensors pipeline rank ``stage`` holds (before tensor-parallel splitting, see
     :meth:`ParamTensor.local_shape`): its layers, the embedding on the first stage, the final norm and head on
     the last (with tied embeddings and pp > 1 the last stage holds its own copy of the embedding, as in
-    Megatron-LM), and of each MoE layer the n_experts/ep experts of expert-parallel rank ``ep_rank``."""
-    return list(_stage_tensors(spec, parallel.pp, parallel.vpp, parallel.ep, stage, ep_rank))
+    Megatron-LM), and of each MoE layer the n_experts/ep experts of expert-parallel rank ``ep_rank``. The
+    stage's layers follow ``parallel.layers_per_stage`` (or the derived split, :meth:`ParallelConfig.split`)."""
+    return list(_stage_tensors(spec, parallel.pp, parallel.vpp, parallel.ep, stage, ep_rank,
+                               parallel.split(spec.n_layers)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _stage_tensors(spec: ModelSpec, pp: int, vpp: int, ep: int, stage: int, ep_rank: int) -> tuple[ParamTensor, ...]:
+def _stage_tensors(spec: ModelSpec, pp: int, vpp: int, ep: int, stage: int, ep_rank: int,
+                   split: tuple[int, ...] | None = None) -> tuple[ParamTensor, ...]:
     """:func:`local_param_tensors`, cached on what it depends on (the planner asks for the same stages of
-    many meshes)."""
-    layers = set(stage_layers(spec.n_layers, pp, vpp, stage))
+    many meshes); ``split`` the layers per stage (None: derived)."""
+    layers = set(stage_layers(spec.n_layers, pp, vpp, stage, split))
     first, last = stage == 0, stage == pp - 1
     per_ep = spec.n_experts // ep if spec.is_moe else 0
     out = []
@@ -199,7 +202,8 @@ def _kind_states(kinds, conv: Convention, optimizer: str, zero: int, dense_group
         def part(level, g=g, shape=shape):  # elements held once ZeRO stage >= level shards this state
             return _shard(shape, g, zero >= level, layout, dp_rank)
 
-        grads = nbytes(part(2), conv.grad_bits) + nbytes(part(1), conv.grad_fp32_bits)
+        grads16 = 0 if (zero >= 3 and conv.no_grads_at_zero3) else nbytes(part(conv.grad_shard_stage), conv.grad_bits)
+        grads = grads16 + nbytes(part(1), conv.grad_fp32_bits)
         opt = nbytes(part(1), conv.master_bits)
         if optimizer == "adafactor":  # factored second moment (Shazeer & Stern 2018): rows + cols per matrix
             states = shape[0] + shape[1] if len(shape) == 2 else math.prod(shape)  # split evenly (any layout)
@@ -215,10 +219,10 @@ def _kind_states(kinds, conv: Convention, optimizer: str, zero: int, dense_group
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_shapes(spec: ModelSpec, pp: int, vpp: int, ep: int, stage: int, tp: int):
+def _stage_shapes(spec: ModelSpec, pp: int, vpp: int, ep: int, stage: int, tp: int, split=None):
     """For pipeline rank ``stage`` (expert rank 0): its tensors grouped by :func:`_kinds`, their total numel,
     and the numel of its biggest layer (cached: the planner asks for the same stages of many meshes)."""
-    pairs = tuple((x, x.local_shape(tp)) for x in _stage_tensors(spec, pp, vpp, ep, stage, 0))
+    pairs = tuple((x, x.local_shape(tp)) for x in _stage_tensors(spec, pp, vpp, ep, stage, 0, split))
     layer_local: dict[int, int] = {}
     for x, shp in pairs:
         if x.layer is not None:

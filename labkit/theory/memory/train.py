@@ -9,8 +9,21 @@ from dataclasses import asdict, replace
 
 from labkit.checks import positive_int
 from labkit.theory.memory.activations import _edge_bytes, _layer_activation_bytes, activation_bytes_per_layer
-from labkit.theory.memory.budget import MemoryEstimate, _device_info, _finish, _resolve_model
-from labkit.theory.memory.config import ParallelConfig, TrainConfig, kv_heads_per_rank
+from labkit.theory.memory.budget import (
+    MemoryEstimate,
+    _device_info,
+    _finish,
+    _resolve_model,
+    capacity_note,
+    usable_bytes,
+)
+from labkit.theory.memory.config import (
+    ParallelConfig,
+    TrainConfig,
+    check_spec_bounds,
+    kv_heads_per_rank,
+    padded_spec,
+)
 from labkit.theory.memory.conventions import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_HEADROOM,
@@ -19,7 +32,7 @@ from labkit.theory.memory.conventions import (
     nbytes,
 )
 from labkit.theory.memory.params import _kind_states, _model_states, _stage_shapes
-from labkit.theory.memory.stages import in_flight_microbatches, stage_layers
+from labkit.theory.memory.stages import _stage_layer_ids, format_split, in_flight_microbatches
 from labkit.theory.spec import ModelSpec
 
 
@@ -53,7 +66,13 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
       attention (CP); 2·n·top_k·h·e dispatch/combine for EP.
     * workspace, headroom — as above.
 
-    Raises ValueError for an invalid model, configuration, device, or degrees that do not divide the model.
+    Pipeline stages may be uneven (``parallel.layers_per_stage``, or the split derived by
+    :func:`labkit.theory.memory.stages.split_layers` when pp does not divide n_layers); every stage is
+    computed and the heaviest one decides the peak. The vocabulary is padded for tp as Megatron-LM pads it
+    (:func:`labkit.theory.memory.config.padded_vocab_size`; ``assumptions["vocab_size"]`` says so).
+
+    Raises ValueError for an invalid model, configuration, device, a bad stage split, or degrees that do not
+    divide the model (every "valid" list passes every rule), in bounded time whatever the magnitudes.
     """
     parallel = parallel or ParallelConfig()
     train = train or TrainConfig()
@@ -61,6 +80,11 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
     bucket_bytes = positive_int("bucket_bytes", bucket_bytes, minimum=0)
     spec = _resolve_model(model)
     is_spec = isinstance(spec, ModelSpec)
+    original_vocab = None
+    if is_spec:
+        check_spec_bounds(spec)
+        original_vocab = spec.vocab_size
+        spec = padded_spec(spec, parallel.tp)
     parallel.check(spec if is_spec else None, train.seq_len)
     conv = train.resolved_convention()
     dev, workspace = _device_info(device, workspace_bytes)
@@ -69,7 +93,7 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
     if not (isinstance(dp_rank, int) and not isinstance(dp_rank, bool) and 0 <= dp_rank < dense_group):
         raise ValueError(f"dp_rank={dp_rank!r} must be a ZeRO shard index in 0..{dense_group - 1} (dp*cp ranks)")
     shard = (parallel.shard_layout, dp_rank)
-    e = train.act_bits() / 8
+    capacity = usable_bytes(dev) if dev else None
 
     if not is_spec:
         if train.optimizer == "adafactor":
@@ -84,24 +108,119 @@ def train_memory(model, parallel: ParallelConfig | None = None, train: TrainConf
                                          model_states_only=True)
         assumptions["dp_rank"] = dp_rank
         return MemoryEstimate("train", cats, spec, local, assumptions, 0, [sum(cats.values())],
-                              dev["name"] if dev else None, dev["memory_bytes"] if dev else None)
+                              dev["name"] if dev else None, capacity)
 
     if stage is not None and not (isinstance(stage, int) and 0 <= stage < parallel.pp):
         raise ValueError(f"stage={stage!r} must be a pipeline rank in 0..{parallel.pp - 1}")
+    split = parallel.split(spec.n_layers)
     per_stage, results = [], []
     for k in range(parallel.pp):
-        results.append(_train_stage(spec, parallel, train, conv, k, dense_group, expert_group, e, workspace,
-                                    headroom, bucket_bytes, shard))
-        per_stage.append(sum(results[-1][0].values()))
+        parts = _stage_parts(spec, parallel, train, conv, k, split, workspace, bucket_bytes, shard)
+        fly = in_flight_microbatches(parallel.schedule, parallel.pp, train.n_microbatches, parallel.vpp, k)
+        cats = _stage_cats(parts, fly, headroom)
+        results.append((cats, parts, fly))
+        per_stage.append(sum(cats.values()))
     if stage is None:
         stage = max(range(parallel.pp), key=lambda k: per_stage[k])
-    cats, n_local, details = results[stage]
+    cats, parts, fly = results[stage]
+    details = {"activation_bytes_per_layer": parts["per_layer"], "layers": parts["n_layers"],
+               "first_stage_edge_bytes": parts["first_b"], "last_stage_edge_bytes": parts["last_b"], "in_flight": fly}
     assumptions = _train_assumptions(conv, train, parallel, headroom, workspace, bucket_bytes)
     assumptions["dp_rank"] = dp_rank
-    assumptions["in_flight_microbatches"] = in_flight_microbatches(parallel.schedule, parallel.pp,
-                                                                   train.n_microbatches, parallel.vpp, stage)
-    return MemoryEstimate("train", cats, _n_params(spec), n_local, assumptions, stage, per_stage,
-                          dev["name"] if dev else None, dev["memory_bytes"] if dev else None, details)
+    assumptions["in_flight_microbatches"] = fly
+    assumptions["layers_per_stage"] = split
+    assumptions["layers_per_stage_text"] = format_split(split)
+    assumptions["layers_per_stage_given"] = parallel.layers_per_stage is not None
+    assumptions["vocab_size"] = spec.vocab_size
+    assumptions["vocab_padded_from"] = original_vocab if original_vocab != spec.vocab_size else None
+    if dev:
+        assumptions["device_capacity"] = capacity_note(dev)
+    return MemoryEstimate("train", cats, _n_params(spec), parts["n_local"], assumptions, stage, per_stage,
+                          dev["name"] if dev else None, capacity, details)
+
+
+def train_peaks(spec: ModelSpec, parallel: ParallelConfig, train: TrainConfig, schedules, *,
+                headroom: float = DEFAULT_HEADROOM, workspace_bytes: int = 0,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[tuple[int, int, int]]:
+    """The peak of :func:`train_memory` for several pipeline schedules at once, fast: for each ``(schedule,
+    vpp)`` of ``schedules``, ``(total_bytes, stage, n_params_local)`` equal to
+    ``train_memory(spec, replace(parallel, schedule=schedule, vpp=vpp), train, headroom=headroom,
+    workspace_bytes=workspace_bytes)``'s ``total_bytes``, ``stage`` and ``n_params_local`` (tests/test_memory.py
+    checks the equality). Used by the planner, which scores every mesh.
+
+    Only the stages that can hold the peak are computed: the first, the last, and of the middle stages the
+    first with each distinct layer count. A middle stage's bytes grow with its layer count and, at equal
+    count, never grow with its index (it holds the same kinds of tensors, and
+    :func:`~labkit.theory.memory.stages.in_flight_microbatches` never grows with the index), so no other
+    stage can be higher. MoE models with dense layers between the MoE ones (moe_layer_freq > 1) compute every
+    stage (which layers a stage holds then matters). ``spec`` must already be padded
+    (:func:`labkit.theory.memory.config.padded_spec`) and ``parallel`` checked against it.
+    """
+    conv = train.resolved_convention()
+    shard = (parallel.shard_layout, 0)
+    out = []
+    parts_by_vpp: dict = {}
+    moe_mixed = spec.is_moe and spec.moe_layer_freq > 1
+    split = parallel.split(spec.n_layers)
+    m, pp = train.n_microbatches, parallel.pp
+    for schedule, vpp in schedules:
+        if min(split) < vpp:
+            raise ValueError(f"stage split {format_split(split)} puts {min(split)} layer(s) on a stage, fewer than "
+                             f"vpp={vpp} model chunks")
+        key = vpp if moe_mixed else 1
+        if key not in parts_by_vpp:
+            ppar = replace(parallel, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp) if moe_mixed else parallel
+            stages = range(pp) if moe_mixed else _peak_candidates(split)
+            parts_by_vpp[key] = {k: _stage_parts(spec, ppar, train, conv, k, split, workspace_bytes, bucket_bytes,
+                                                 shard) for k in stages}
+        best = None
+        for k, parts in parts_by_vpp[key].items():
+            # what _stage_cats + _finish give, summed: the other categories, the activations, the headroom
+            act = int(round(parts["act_layers"] * _in_flight(schedule, pp, m, vpp, k) + parts["first_b"]
+                            * _in_flight(schedule, pp, m, vpp, k) + parts["last_b"]))
+            sub = parts["base_sub"] + act
+            total = sub + int(round(sub * headroom))
+            if best is None or total > best[0]:
+                best = (total, k, parts["n_local"])
+        out.append(best)
+    return out
+
+
+def _in_flight(schedule: str, pp: int, m: int, vpp: int, stage: int) -> float:
+    """:func:`in_flight_microbatches` without the argument checks (the callers pass checked values)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("1f1b", "zb-h1"):
+        return float(min(m, pp - stage))
+    return float(min(m, (2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp))
+
+
+@functools.lru_cache(maxsize=1024)
+def _one_microbatch(train: TrainConfig) -> TrainConfig:
+    return train if train.n_microbatches == 1 else replace(train, n_microbatches=1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _no_recompute(train: TrainConfig) -> TrainConfig:
+    return replace(train, recompute="none")
+
+
+@functools.lru_cache(maxsize=1024)
+def _act_par(tp: int, cp: int, sp: bool) -> ParallelConfig:
+    return ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp)
+
+
+def _peak_candidates(split: tuple[int, ...]) -> list[int]:
+    pp = len(split)
+    out = {0, pp - 1}
+    seen = set()
+    for k in range(1, pp - 1):
+        if split[k] not in seen:
+            seen.add(split[k])
+            out.add(k)
+    return sorted(out)
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,39 +228,43 @@ def _n_params(spec: ModelSpec) -> int:
     return spec.n_params()
 
 
-def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, e, workspace, headroom, bucket_bytes,
-                 shard=("even", 0)):
+def _stage_parts(spec, parallel, train, conv, stage, split, workspace, bucket_bytes, shard=("even", 0)) -> dict:
+    """Everything of a stage's budget but the schedule: model states, the activation bytes of one micro-batch
+    of its layers (``act_layers``) and of its edges (``first_b``, ``last_b``), temporary and communication
+    buffers, workspace. :func:`_stage_cats` applies the in-flight count and the headroom."""
     t, sp = parallel.tp, parallel.sequence_parallel
-    kinds, n_local, biggest_layer = _stage_shapes(spec, parallel.pp, parallel.vpp, parallel.ep, stage, t)
+    dense_group = parallel.dp * parallel.cp
+    expert_group = max(1, dense_group // parallel.ep)
+    kinds, n_local, biggest_layer = _stage_shapes(spec, parallel.pp, parallel.vpp, parallel.ep, stage, t, split)
     cats = dict(_kind_states(kinds, conv, train.optimizer, parallel.zero, dense_group, expert_group, *shard))
-    layers = stage_layers(spec.n_layers, parallel.pp, parallel.vpp, stage)
+    layers = _stage_layer_ids(split, parallel.vpp)[stage]
     first, last = stage == 0, stage == parallel.pp - 1
-    fly = in_flight_microbatches(parallel.schedule, parallel.pp, train.n_microbatches, parallel.vpp, stage)
-    by_kind: dict[bool, int] = {}  # every dense layer saves the same bytes, and every MoE layer
-    per_layer = {}
-    for i in layers:
-        kind = spec.is_moe_layer(i)
-        if kind not in by_kind:
-            by_kind[kind] = _layer_activation_bytes(spec, train, parallel, kind)
-        per_layer[i] = by_kind[kind]
-    edge_first, edge_last = _edge_bytes(spec, train, parallel)
+    act_par = _act_par(t, parallel.cp, sp)  # all that the activations depend on
+    act_train = _one_microbatch(train)  # what activations depend on, as a cache key
+    n_moe = sum(1 for i in layers if spec.is_moe_layer(i)) if spec.is_moe else 0
+    counts = {False: len(layers) - n_moe, True: n_moe}
+    # every dense layer saves the same bytes, and every MoE layer
+    by_kind = {kind: _layer_activation_bytes(spec, act_train, act_par, kind) for kind, c in counts.items() if c}
+    act_layers = sum(by_kind[kind] * c for kind, c in counts.items() if c)
+    edge_first, edge_last = _edge_bytes(spec, act_train, act_par)
     first_b = edge_first if first else 0
     last_b = edge_last if last else 0
-    cats["activations"] = int(round(sum(per_layer.values()) * fly + first_b * fly + last_b))
     n = train.micro_batch_size * train.seq_len // parallel.cp
     h = spec.hidden_size
+    e = train.act_bits() / 8
     rep = t if sp else 1
     # temporary buffers
     temp = 0
     if last:
         temp += int(n * spec.vocab_size * 4 / t)  # gradient of the fp32 logits
     if train.recompute == "full":
-        full = replace(train, recompute="none")
-        kinds = {spec.is_moe_layer(i): i for i in layers}.values()
-        temp += max(activation_bytes_per_layer(spec, full, parallel, layer=i) for i in kinds)
+        full = _no_recompute(train)
+        temp += max(_full_layer_bytes(spec, _one_microbatch(full), act_par, kind) for kind in by_kind)
     if parallel.zero >= 3 and dense_group > 1:
-        biggest = biggest_layer
-        temp += 2 * nbytes(biggest, conv.param_bits) + nbytes(biggest, max(conv.grad_bits, 16))
+        if conv.largest_layer_bytes is not None:  # the convention's own term (DeepSpeed's 4 x largest layer)
+            temp += int(round(conv.largest_layer_bytes * biggest_layer))
+        else:
+            temp += 2 * nbytes(biggest_layer, conv.param_bits) + nbytes(biggest_layer, max(conv.grad_bits, 16))
     cats["temporary"] = temp
     # communication buffers
     comm = 0
@@ -157,10 +280,22 @@ def _train_stage(spec, parallel, train, conv, stage, dense_group, expert_group, 
         comm += int(2 * n * spec.top_k * train.capacity_factor * h * e)
     cats["communication"] = comm
     cats["workspace"] = workspace
-    cats = _finish(cats, headroom)
-    details = {"activation_bytes_per_layer": per_layer[layers[0]], "layers": len(layers),
-               "first_stage_edge_bytes": first_b, "last_stage_edge_bytes": last_b, "in_flight": fly}
-    return cats, n_local, details
+    base_sub = sum(int(v) for k, v in cats.items() if k not in ("headroom", "activations"))
+    return {"cats": cats, "act_layers": act_layers, "first_b": first_b, "last_b": last_b, "n_local": n_local,
+            "base_sub": base_sub,
+            "n_layers": len(layers), "per_layer": by_kind[spec.is_moe_layer(layers[0])]}
+
+
+def _stage_cats(parts: dict, fly: float, headroom: float) -> dict[str, int]:
+    cats = dict(parts["cats"])
+    cats["activations"] = int(round(parts["act_layers"] * fly + parts["first_b"] * fly + parts["last_b"]))
+    return _finish(cats, headroom)
+
+
+@functools.lru_cache(maxsize=1024)
+def _full_layer_bytes(spec, train, act_par, moe: bool) -> int:
+    layer = next(i for i in range(spec.n_layers) if spec.is_moe_layer(i) == moe)
+    return activation_bytes_per_layer(spec, train, act_par, layer=layer)
 
 
 def _train_assumptions(conv, train, parallel, headroom, workspace, bucket_bytes, model_states_only=False) -> dict:
