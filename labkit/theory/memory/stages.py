@@ -208,6 +208,20 @@ def stage_layers(n_layers: int, pp: int, vpp: int, stage: int, layers_per_stage=
     return list(_stage_layer_ids(split, vpp)[stage])
 
 
+def _in_flight(schedule: str, pp: int, m: int, vpp: int, stage: int) -> float:
+    """:func:`in_flight_microbatches` without the argument checks (the callers pass checked values)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("1f1b", "zb-h1"):
+        return float(min(m, pp - stage))
+    return float(min(m, (2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp))
+
+
+@functools.lru_cache(maxsize=1024)
+
+
 def in_flight_microbatches(schedule: str, pp: int, n_microbatches: int, vpp: int = 1, stage: int = 0) -> float:
     """How many micro-batches' activations pipeline rank ``stage`` holds at its peak, in units of its whole
     share of layers.
@@ -227,10 +241,4 @@ def in_flight_microbatches(schedule: str, pp: int, n_microbatches: int, vpp: int
     pp, m, vpp = positive_int("pp", pp), positive_int("n_microbatches", n_microbatches), positive_int("vpp", vpp)
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} must be in 0..{pp - 1}")
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule in ("1f1b", "zb-h1"):
-        return float(min(m, pp - stage))
-    return float(min(m, (2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp))
+    return _in_flight(schedule, pp, m, vpp, stage)

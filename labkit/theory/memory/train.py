@@ -32,7 +32,7 @@ from labkit.theory.memory.conventions import (
     nbytes,
 )
 from labkit.theory.memory.params import _kind_states, _model_states, _stage_shapes
-from labkit.theory.memory.stages import _stage_layer_ids, format_split, in_flight_microbatches
+from labkit.theory.memory.stages import _in_flight, _stage_layer_ids, format_split, in_flight_microbatches
 from labkit.theory.spec import ModelSpec
 
 
@@ -186,18 +186,6 @@ def train_peaks(spec: ModelSpec, parallel: ParallelConfig, train: TrainConfig, s
     return out
 
 
-def _in_flight(schedule: str, pp: int, m: int, vpp: int, stage: int) -> float:
-    """:func:`in_flight_microbatches` without the argument checks (the callers pass checked values)."""
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(m)
-    if schedule in ("1f1b", "zb-h1"):
-        return float(min(m, pp - stage))
-    return float(min(m, (2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp))
-
-
-@functools.lru_cache(maxsize=1024)
 def _one_microbatch(train: TrainConfig) -> TrainConfig:
     return train if train.n_microbatches == 1 else replace(train, n_microbatches=1)
 
