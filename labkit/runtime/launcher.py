@@ -77,7 +77,9 @@ class LaunchResult(list):
     """What ``launch`` returns: a list with one entry per rank (rank order), plus
 
     * ``timeline`` — every rank's timeline events in one DataFrame (see :mod:`labkit.runtime.timeline`);
-    * ``world_size``, ``backend``, ``wall_s`` (seconds from first spawn to last result, measured).
+    * ``world_size``, ``backend``, ``wall_s`` (seconds from first spawn to last result, measured);
+    * with ``launch(..., emulate=...)``: ``emulated`` (the emulated timeline frame) and ``emulation`` (a
+      :class:`labkit.runtime.emulate.Emulation`: profile, label, per-rank totals); None otherwise.
     """
 
     def __init__(self, results, timeline: pd.DataFrame, world_size: int, backend: str, wall_s: float):
@@ -86,6 +88,8 @@ class LaunchResult(list):
         self.world_size = world_size
         self.backend = backend
         self.wall_s = wall_s
+        self.emulated: pd.DataFrame | None = None
+        self.emulation = None
 
     def __repr__(self) -> str:
         return (f"LaunchResult(world_size={self.world_size}, backend={self.backend!r}, "
@@ -252,7 +256,7 @@ def _describe_exit(code: int) -> tuple[str, str | None]:
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
            start_method: str = "spawn", threads_per_rank: int | None = None, echo: bool = True,
-           **kwargs) -> LaunchResult:
+           emulate=None, **kwargs) -> LaunchResult:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
 
     Args:
@@ -266,6 +270,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         start_method: only ``"spawn"`` (fresh interpreters); anything else raises ValueError explaining why.
         threads_per_rank: torch intra-op threads per rank; default ``max(1, cores // world_size)``.
         echo: forward each rank's stdout/stderr here, prefixed ``[rank r]``.
+        emulate: also time the run as a GPU cluster would (:mod:`labkit.runtime.emulate`): a profile name
+            such as ``"dgx-h100"``, a :class:`labkit.theory.cluster.Cluster`, or a dict (profile, efficiencies,
+            "as a model" charging); runs on gloo. Default: the enclosing ``emulate.emulation(...)`` block's, if any.
         **kwargs: passed to ``fn``. The names above are reserved by ``launch``.
 
     Returns:
@@ -273,7 +280,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         DataFrame of all ranks' events), ``.backend``, ``.world_size`` and ``.wall_s``.
 
     Raises:
-        ValueError: bad ``world_size``, ``backend``, ``timeout_s`` or ``start_method``.
+        ValueError: bad ``world_size``, ``backend``, ``timeout_s`` or ``start_method``; with ``emulate``, an
+            unknown profile, a world size its nodes cannot hold evenly, or a bad option (before any process
+            starts); a trace that cannot be replayed (``labkit.theory.replay.ReplayError``, after the run).
         ShipError (a ValueError): ``fn`` or an argument cannot be pickled; raised before any process starts.
         RankFailed: a rank raised, exited or was killed (``.rank``, ``.traceback_text``, ``.signal_name``).
         LaunchTimeout: the run exceeded ``timeout_s`` (``.stacks``: rank -> Python stack).
@@ -288,7 +297,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
                "kernel's sockets), and forking after CUDA is initialised fails; ")
         raise ValueError(f"start_method={start_method!r} is not supported: {why}labkit always starts ranks "
                          "as fresh interpreters (start_method='spawn')")
-    backend = resolve_backend(backend, world_size)
+    emulation = _emulation_plan(emulate, world_size, backend)  # ValueError before any process starts
+    backend = resolve_backend("gloo" if emulation is not None else backend, world_size)
     if threads_per_rank is None:
         from labkit.runtime.rank import cpu_threads_per_rank
 
@@ -308,7 +318,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     try:
         (run_dir / "payload.pkl").write_bytes(payload)
         spec = {"world_size": world_size, "backend": backend, "timeout_s": timeout_s,
-                "threads": threads_per_rank, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p]}
+                "threads": threads_per_rank, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p],
+                "emulate": emulation.rank_config() if emulation is not None else None}
         (run_dir / "spec.json").write_text(json.dumps(spec))
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
         pkg_parent = str(Path(__file__).resolve().parents[2])
@@ -333,13 +344,30 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
             t = tl.Timeline(r, out.get("offset_ns", 0))
             t.events = out["events"]
             frames.append(t.to_frame())
-        return LaunchResult([o["result"] for o in outputs], tl.concat(frames), world_size, backend, wall_s)
+        result = LaunchResult([o["result"] for o in outputs], tl.concat(frames), world_size, backend, wall_s)
+        if emulation is not None:
+            from labkit.runtime import emulate as _emulate
+
+            _emulate.attach(result, emulation, outputs)
+        return result
     finally:
         for r in ranks:
             r.kill()
         for r in ranks:
             r.join()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _emulation_plan(emulate, world_size: int, backend: str):
+    """The emulation plan of a launch (:func:`labkit.runtime.emulate.prepare`), or None; imports the emulator
+    only when something is emulated."""
+    from labkit.runtime.emulate import state
+
+    if emulate is None and not state.AMBIENT:
+        return None
+    from labkit.runtime import emulate as _emulate
+
+    return _emulate.prepare(emulate, world_size, backend)
 
 
 def _read_error(run_dir: Path, rank: int) -> dict | None:

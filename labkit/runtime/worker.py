@@ -137,17 +137,28 @@ def _finish_group(ctx) -> None:
             dist.destroy_process_group()
 
 
-def _package(ctx, result) -> bytes:
+def _package(ctx, result, trace=None) -> bytes:
     import cloudpickle
 
     try:
-        return cloudpickle.dumps({"result": result, "events": ctx.timeline.events,
-                                  "offset_ns": ctx.timeline.offset_ns})
+        out = {"result": result, "events": ctx.timeline.events, "offset_ns": ctx.timeline.offset_ns}
+        if trace is not None:  # launch(..., emulate=...): this rank's trace for the replay
+            out["trace"] = trace
+        return cloudpickle.dumps(out)
     except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
         raise TypeError(
             f"rank {ctx.rank} returned a value of type {type(result).__name__} that cannot be pickled "
             f"({type(e).__name__}: {e}); return plain data (dicts, lists, numbers, tensors, DataFrames)"
         ) from e
+
+
+def _emulate_begin(config, rank: int, world_size: int):
+    """Start recording this rank's trace for the emulator when the launch asked for it (else None)."""
+    if not config:
+        return None
+    from labkit.runtime.emulate import rank_begin
+
+    return rank_begin(config, rank, world_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,9 +190,13 @@ def spawned_main(run_dir: str, rank: int) -> int:
         payload = cloudpickle.loads((run / "payload.pkl").read_bytes())
         where = "the rank function"
         (run / f"started_{rank}").touch()  # lets the launcher tell a slow start-up from a hang
-        result = payload["fn"](ctx, *payload["args"], **payload["kwargs"])
+        tracer = _emulate_begin(spec.get("emulate"), rank, world_size)  # launch(..., emulate=...) only
+        try:
+            result = payload["fn"](ctx, *payload["args"], **payload["kwargs"])
+        finally:
+            trace = tracer.stop() if tracer is not None else None
         where = "pickling the result"
-        blob = _package(ctx, result)
+        blob = _package(ctx, result, trace)
         _atomic_write(run / f"result_{rank}.pkl", blob)
         where = "destroying the process group"
         _finish_group(ctx)

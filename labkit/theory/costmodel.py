@@ -392,3 +392,124 @@ def tp_forward_comm(n_layers: int, hidden_size: int, seq_len: int, micro_batch_s
     one = collective_time("all_reduce", s, tp, lk, lk, gpus_per_node=tp, include_base=include_base)
     return {"link": lk.name, "allreduce_bytes": s, "n_allreduce": 2 * n_layers, "allreduce_s": one,
             "forward_comm_s": 2 * n_layers * one, "source": "predicted"}
+
+
+# ------------------------------------------------------------------------------------------------------
+# a collective on an arbitrary group of global ranks: placement and the hierarchical model
+# ------------------------------------------------------------------------------------------------------
+#: ops :func:`group_collective_time` prices: :data:`OPS` plus ``barrier`` (latency only)
+GROUP_OPS = (*OPS, "barrier")
+
+
+def group_placement(ranks: Sequence[int], gpus_per_node: int) -> dict:
+    """Where a group of global ranks sits when rank r lives on node ``r // gpus_per_node``.
+
+    Returns ``{"n": ranks in the group, "nodes": nodes it touches, "ranks_per_node": the most ranks of the
+    group on one node, "within_node": bool}``. Raises ValueError for an empty group, a negative or repeated
+    rank, or gpus_per_node < 1.
+    """
+    g = positive_int("gpus_per_node", gpus_per_node)
+    rs = list(ranks)
+    if not rs:
+        raise ValueError("ranks is empty; a group needs at least one global rank")
+    if len(set(rs)) != len(rs) or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in rs):
+        raise ValueError(f"ranks={rs!r} must be distinct global ranks (ints >= 0)")
+    per: dict[int, int] = {}
+    for r in rs:
+        per[r // g] = per.get(r // g, 0) + 1
+    return {"n": len(rs), "nodes": len(per), "ranks_per_node": max(per.values()), "within_node": len(per) == 1}
+
+
+def group_collective_time(op: str, nbytes: int, ranks: Sequence[int], *, gpus_per_node: int,
+                          intra: str | Link, inter: str | Link | None = None, nics_per_node: int = 1,
+                          link_efficiency: float = 1.0, include_base: bool = True) -> float:
+    """Predicted seconds of one collective of S = ``nbytes`` (nccl-tests convention) on the group of global
+    ``ranks``, each rank r on node ``r // gpus_per_node`` (the placement of :func:`group_placement`).
+
+    Let n be the group's size, N the nodes it touches, k its ranks per node, ``B_i`` the intra-node link's
+    per-direction bandwidth, and ``B_e = B_nic * min(1, nics_per_node / k)`` the network bandwidth one rank
+    gets (on a rail-optimised node every GPU drives its own NIC; with fewer NICs than ranks they share them),
+    all times ``link_efficiency``; ``a_i``/``a_e`` the per-step latencies (NCCL tuning model ``hwLat``), plus
+    the fixed ``baseLat`` once when ``include_base``.
+
+    * **One node** (N = 1): the ring of :func:`collective_time` on the intra-node link (Thakur et al. 2005,
+      sec. 4): ``factor(op, n) * S / B_i`` plus one ``a_i`` per ring step.
+    * **Several nodes**, hierarchical (NCCL's tree / multi-ring across rails; the two-level algorithms of
+      Thakur et al. 2005, sec. 4, and of NCCL's docs, "Collective Operations"): all_reduce = intra-node
+      reduce-scatter, then an all-reduce of the node's ``S/k`` shard among the N nodes over the network (k
+      rails in parallel), then intra-node all-gather::
+
+          all_reduce      2(k-1)/k * S/B_i + 2(N-1)/N * S/(k B_e);  latency 2(k-1) a_i + 2(N-1) a_e
+          all_gather,
+          reduce_scatter   (k-1)/k * S/B_i +  (N-1)/N * S/(k B_e);  latency  (k-1) a_i +  (N-1) a_e
+          all_to_all      max((k-1)/n * S/B_i, (n-k)/n * S/B_e)     (intra and network traffic in parallel)
+          broadcast       S / min(B_i, B_nic)                       (pipelined chain; one NIC per hop)
+          send_recv       S / B_i inside a node, S / B_nic across   (one pair owns its NIC)
+          barrier         latency only (an all_reduce of nothing)
+
+      With k = 1 (one rank per node) the network ring is the whole algorithm: ``factor * S / B_nic``.
+
+    The model has no contention (several groups sharing a link each get all of it) and no protocol overhead
+    (``link_efficiency`` = 1.0: NCCL reaches about 80 % of NVLink's line rate, NVIDIA/nccl-tests#212).
+    ``ranks`` of one rank cost 0.
+
+    Raises:
+        ValueError: unknown op (listing :data:`GROUP_OPS`), nbytes < 0, bad ranks, a multi-node group without
+            ``inter``, nics_per_node < 1, send_recv on a group that is not 2 ranks, or link_efficiency
+            outside (0, 1].
+    """
+    check_choice("op", op, GROUP_OPS)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0:
+        raise ValueError(f"nbytes={nbytes!r} must be a number of bytes >= 0")
+    nics = positive_int("nics_per_node", nics_per_node)
+    eff = positive_float("link_efficiency", link_efficiency)
+    if eff > 1:
+        raise ValueError(f"link_efficiency={link_efficiency!r} must be in (0, 1] (a fraction of the line rate)")
+    place = group_placement(ranks, gpus_per_node)
+    n, nodes, k = place["n"], place["nodes"], place["ranks_per_node"]
+    if n == 1:
+        return 0.0
+    if op == "send_recv" and n != 2:
+        raise ValueError(f"op='send_recv' is between 2 ranks, got a group of {n}: {list(ranks)!r}")
+    a = get_link(intra)
+    if nodes > 1 and inter is None:
+        raise ValueError(f"ranks {list(ranks)!r} span {nodes} nodes of {gpus_per_node} GPUs: give an inter-node "
+                         f"link (inter=...), one of: {', '.join(links())}")
+    s = float(nbytes)
+    b_i = a.bandwidth_gbps * GB * eff
+    base = base_latency_s("ring") if include_base else 0.0
+    if nodes == 1:
+        if op == "barrier":
+            return base + 2 * (n - 1) * a.hop_latency_s
+        steps = 2 * (n - 1) if op == "all_reduce" else (1 if op == "send_recv" else n - 1)
+        return base + steps * a.hop_latency_s + bus_factor(op, n) * s / b_i
+    e = get_link(inter)
+    b_nic = e.bandwidth_gbps * GB * eff
+    b_e = b_nic * min(1.0, nics / k)
+    ai, ae = a.hop_latency_s, e.hop_latency_s
+    if op in ("all_reduce", "barrier"):
+        lat = 2 * (k - 1) * ai + 2 * (nodes - 1) * ae
+        t = 0.0 if op == "barrier" else 2 * (k - 1) / k * s / b_i + 2 * (nodes - 1) / nodes * s / (k * b_e)
+    elif op in ("all_gather", "reduce_scatter"):
+        lat = (k - 1) * ai + (nodes - 1) * ae
+        t = (k - 1) / k * s / b_i + (nodes - 1) / nodes * s / (k * b_e)
+    elif op == "all_to_all":
+        lat = (k - 1) * ai + (nodes - 1) * ae
+        t = max((k - 1) / n * s / b_i, (n - k) / n * s / b_e)
+    elif op == "broadcast":
+        lat = (n - nodes) * ai + (nodes - 1) * ae
+        t = s / min(b_i, b_nic)
+    else:  # send_recv across nodes
+        lat, t = ae, s / b_nic
+    return base + lat + t
+
+
+def group_link(ranks: Sequence[int], gpus_per_node: int, intra: str | Link, inter: str | Link | None) -> str:
+    """The name of the slowest link a group's collective crosses: the intra-node link when the group is
+    inside one node, else the inter-node one; ``"-"`` for a group of one rank. Raises ValueError as
+    :func:`group_placement` does."""
+    place = group_placement(ranks, gpus_per_node)
+    if place["n"] == 1:
+        return "-"
+    lk = intra if place["within_node"] else inter
+    return lk.name if isinstance(lk, Link) else str(lk)
