@@ -6,6 +6,8 @@ A record folder (``runs/records/<UTC stamp>_<experiment>_<id>/``) holds
   Python versions, backend, world size, host, CPU cores or GPU names, start time (UTC, ISO 8601);
 * ``metrics.csv`` — the measured numbers (one row per measurement), when given;
 * ``timeline.csv`` — the per-rank timeline (columns of :mod:`labkit.runtime.timeline`), when given;
+* ``emulated_timeline.csv`` and ``identity.json``'s ``emulation`` (label, the cluster profile with every
+  number, the "as a model" factors) — for a run launched with ``emulate=`` (both timelines are kept);
 * ``<name>.csv`` — any further tables.
 
 Writes are atomic: everything goes into a hidden temporary folder that is renamed into place at the end,
@@ -112,7 +114,8 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
         metrics: a DataFrame, a dict (one row) or a list of dicts (rows) of measured numbers.
         timeline: a timeline frame; defaults to ``result.timeline`` when ``result`` is a LaunchResult.
         tables: further named DataFrames.
-        result: a :class:`~labkit.runtime.launcher.LaunchResult`, for its world size, backend and timeline.
+        result: a :class:`~labkit.runtime.launcher.LaunchResult`, for its world size, backend and timeline (and,
+            when it was emulated, its emulated timeline and profile).
         root: records folder (default ``runs/records``).
 
     Raises ValueError for an empty or unsafe experiment name or table name.
@@ -120,11 +123,14 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
     safe = experiment.replace("-", "").replace("_", "")
     if not experiment or not safe.isalnum():
         raise ValueError(f"experiment={experiment!r} must be non-empty letters, digits, '-' or '_'")
+    emulation = getattr(result, "emulation", None) if result is not None else None
     if result is not None:
         world_size = world_size or getattr(result, "world_size", None)
         backend = backend or getattr(result, "backend", None)
         if timeline is None:
             timeline = getattr(result, "timeline", None)
+    if emulation is not None and getattr(result, "emulated", None) is not None:
+        tables = {**(tables or {}), "emulated_timeline": result.emulated}
     root = Path(root) if root is not None else runs_dir() / RECORDS_SUBDIR
     root.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -133,6 +139,8 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
     tmp.mkdir()
     try:
         ident = identity(experiment, params, world_size=world_size, backend=backend, started=started)
+        if emulation is not None:
+            ident["emulation"] = emulation.profile()
         (tmp / "identity.json").write_text(json.dumps(ident, indent=2, default=str))
         if metrics is not None:
             _frame(metrics).to_csv(tmp / "metrics.csv", index=False)
