@@ -31,6 +31,11 @@ def run(args) -> int:
         if not chapters:
             raise ValueError(f"--chapters {args.chapters!r} names no chapter; give numbers like 00,02")
     params = parse_parameters(args.parameter)
+    if params.get("emulate") not in (None, False, ""):  # a bad profile fails here, before any chapter runs
+        from labkit.runtime.emulate import resolve
+
+        ws = params.get("world_size")
+        resolve(params["emulate"], ws if isinstance(ws, int) and not isinstance(ws, bool) else None)
     timeout = positive_float("--cell-timeout", args.cell_timeout)
     check_parameters(discover(chapters), params)
     df = run_chapters(chapters, out=args.out, parameters=params, cell_timeout_s=timeout, kernel_name=args.kernel,

@@ -391,40 +391,54 @@ def collectives_rank(ctx, cases, *, real_nbytes: int = 4096, dtype: str = "float
     return len(cases)
 
 
-def emulated_sweep(ops, sizes, world_size: int, emulate="dgx-h100", *, timeout_s: float = 300.0,
-                   echo: bool = False):
-    """Emulate each op of ``ops`` at each S of ``sizes`` on ``world_size`` ranks (one launch of
-    :func:`collectives_rank`) and return a DataFrame like nccl-tests' table: ``op, world_size, bytes, time_s,
-    algbw_gbps, busbw_gbps`` (busbw = algbw x the nccl-tests factor), ``link`` (the slowest link the op's group
-    crossed), ``predicted_s`` (:meth:`labkit.theory.cluster.Cluster.collective_s` for the same placement,
-    the cost model alone), ``source`` (``emulated (<profile>)``). Raises ValueError for an unknown op or profile,
-    a world size the profile cannot hold or sizes < 1, before any process starts."""
-    import pandas as pd
-
-    from labkit.runtime.emulate import resolve
-    from labkit.runtime.launcher import launch
+def sweep_cases(ops, sizes) -> list[tuple[str, int]]:
+    """Every (op, S) of ``ops`` x ``sizes``, validated (ValueError for an unknown op or a size < 1)."""
     from labkit.theory import costmodel
 
     ops = list(ops)
     for op in ops:
         check_choice("op", op, costmodel.OPS)
-    sizes = [positive_int("size", s) for s in sizes]
+    return [(op, positive_int("size", s)) for op in ops for s in sizes]
+
+
+def emulated_sweep(ops, sizes, world_size: int, emulate="dgx-h100", *, timeout_s: float = 300.0,
+                   echo: bool = False):
+    """Emulate each op of ``ops`` at each S of ``sizes`` on ``world_size`` ranks (one launch of
+    :func:`collectives_rank`) and return :func:`sweep_table` of it. Raises ValueError for an unknown op or
+    profile, a world size the profile cannot hold, or a size < 1, before any process starts."""
+    from labkit.runtime.emulate import resolve
+    from labkit.runtime.launcher import launch
+
+    cases = sweep_cases(ops, sizes)
     world_size = positive_int("world_size", world_size, minimum=2)
     plan = resolve(emulate, world_size)
-    cases = [(op, s) for op in ops for s in sizes]
     res = launch(collectives_rank, world_size, cases, emulate=plan, timeout_s=timeout_s, echo=echo)
-    comm = res.emulation.comm_frame()
+    return sweep_table(res.emulation, cases)
+
+
+def sweep_table(emulation, cases):
+    """The emulated collectives of a :func:`collectives_rank` run (its :class:`labkit.runtime.emulate.Emulation`,
+    or one repriced on another profile) as nccl-tests' table: ``op, world_size, bytes, time_s, algbw_gbps,
+    busbw_gbps`` (busbw = algbw x the nccl-tests factor of the op's group size), ``link`` (the slowest link the
+    op's group crossed), ``predicted_s`` (the cost model alone for the same placement:
+    :meth:`labkit.theory.cluster.Cluster.collective_s` / ``p2p_s``), ``source`` (``emulated (<profile>)``)."""
+    import pandas as pd
+
+    from labkit.theory import costmodel
+
+    comm = emulation.comm_frame()
     comm = comm[comm["op"] != "barrier"]
+    world_size = len(emulation.traces)
+    cl = emulation.cluster
     rows = []
-    for (op, s), (_, g) in zip(cases, _by_instance(comm)):
+    for (op, s), (_, g) in zip(cases, _by_instance(comm), strict=True):
         ranks = g["group"].iloc[0]
         t = float((g["end_ns"].max() - g["start_ns"].min()) / 1e9)
-        n = len(ranks)
         alg = s / t / 1e9 if t > 0 else float("inf")
+        pred = cl.p2p_s(ranks[0], ranks[1], s) if op == "send_recv" else cl.collective_s(op, s, ranks)
         rows.append({"op": op, "world_size": world_size, "bytes": s, "time_s": t, "algbw_gbps": alg,
-                     "busbw_gbps": alg * costmodel.bus_factor(op, n), "link": g["link"].iloc[0],
-                     "predicted_s": plan.cluster.collective_s(op, s, ranks) if op != "send_recv"
-                     else plan.cluster.p2p_s(ranks[0], ranks[1], s), "source": res.emulation.label})
+                     "busbw_gbps": alg * costmodel.bus_factor(op, len(ranks)), "link": g["link"].iloc[0],
+                     "predicted_s": pred, "source": emulation.label})
     return pd.DataFrame(rows)
 
 
