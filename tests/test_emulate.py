@@ -336,6 +336,21 @@ def test_dp_tp_pp_step_charged_as_llama_agrees_with_the_planner_or_the_differenc
     assert cmp["ratio"] == pytest.approx(1.0, rel=0.25)
 
 
+def test_torch_native_variants_are_emulated_with_parity():
+    from labkit.parallel.composed import run_composed
+
+    with em.emulation("dgx-h100") as session:  # DTensor TP + FSDP2, hand TP + bucketed DP, pipelining + FSDP2
+        out = run_composed(4, steps=1)
+    assert out.ok  # the real runs still match the single-process reference
+    e = session.last
+    kinds = [ev[0] for tr in e.traces for ev in tr]
+    assert kinds.count("wait") > 0 and kinds.count("p2p") > 0
+    comm = e.comm_frame()
+    assert comm["async_op"].any() and (~comm["async_op"]).any()  # functional / FSDP2 async, TP blocking
+    assert {"all_gather", "all_reduce", "send_recv"} <= set(comm["op"])
+    assert (e.totals()["end_s"] > 0).all()
+
+
 def test_cli_bench_collectives_emulated(capsys):
     from labkit.cli import main
 

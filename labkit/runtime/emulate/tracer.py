@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from labkit.runtime import timeline as _timeline
 from labkit.runtime.emulate import state
 from labkit.runtime.timeline import now_ns
 
@@ -102,11 +103,42 @@ def _tensors(x, out: list) -> None:
                 _tensors(y, out)
 
 
-def _dtype_name(ts) -> str:
-    for t in ts:
-        if t.is_floating_point():
-            return str(t.dtype).removeprefix("torch.")
-    return "float32"
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+           torch.float16: "float16"}
+#: the timeline clock's test skew (labkit.runtime.timeline.now_ns adds it), added to the fast path's readings
+_SKEW = _timeline._TEST_CLOCK_SKEW_NS
+
+
+def _mm(args, kwargs, out) -> int:  # a [m, k] @ b [k, n]: 2mkn
+    a, b = args[0].shape, args[1].shape
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _addmm(args, kwargs, out) -> int:  # bias + a [m, k] @ b [k, n]: 2mkn (the matmul, as torch counts it)
+    a, b = args[1].shape, args[2].shape
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _bmm(args, kwargs, out) -> int:  # a [B, m, k] @ b [B, k, n]: 2Bmkn
+    a, b = args[0].shape, args[1].shape
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
+def _baddbmm(args, kwargs, out) -> int:
+    a, b = args[1].shape, args[2].shape
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
+#: the matmul FLOP formulas of torch.utils.flop_counter (mm_flop, addmm_flop, bmm_flop, baddbmm_flop), on shapes
+#: directly: the registry's wrappers map over every argument, which costs more than the operation at lab sizes
+_MATMUL = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm}
+
+
+def _registry_flops(formula):
+    """torch.utils.flop_counter's formula (called as FlopCounterMode calls it), or None."""
+    if formula is None:
+        return None
+    return lambda args, kwargs, out: formula(*args, **kwargs, out_val=out)
 
 
 def _sdpa_flops(name: str, args) -> int:
@@ -126,6 +158,13 @@ def _sdpa_flops(name: str, args) -> int:
 class _Mode(TorchDispatchMode):
     """The dispatch mode that prices compute and sees functional and C++-issued collectives."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo by default, which imports
+        # torch._dynamo on the first operation (seconds) and adds a wrapper to every one; nothing is compiled
+        # under this mode (torch.compile'd code is not emulatable), so skip it
+        return False
+
     def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
@@ -138,65 +177,83 @@ class _Mode(TorchDispatchMode):
             self.fake = None
 
     def _kind(self, func):
-        k = self.cache.get(func)
-        if k is None:
-            ns, name = func.namespace, func._schema.name.split("::")[-1]
-            if ns == "c10d":
-                k = ("c10d", _C10D.get(name))
-            elif ns in ("_c10d_functional", "_c10d_functional_autograd"):
-                k = ("wait",) if name == "wait_tensor" else ("functional", _FUNCTIONAL.get(name))
-            elif ns == "profiler" or getattr(func, "is_view", False) or name in _FREE_OPS:
-                k = ("free",)
-            elif name in _SDPA_CPU:
-                k = ("sdpa", name)
-            else:
-                k = ("op", flop_registry.get(func._overloadpacket))
-            self.cache[func] = k
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        if ns == "c10d":
+            k = ("c10d", _C10D.get(name))
+        elif ns in ("_c10d_functional", "_c10d_functional_autograd"):
+            k = ("wait",) if name == "wait_tensor" else ("functional", _FUNCTIONAL.get(name))
+        elif ns == "profiler" or getattr(func, "is_view", False) or name in _FREE_OPS:
+            k = ("free",)
+        elif name in _SDPA_CPU:
+            k = ("sdpa", name)
+        elif name in _MATMUL:
+            k = ("op", _MATMUL[name])
+        else:
+            k = ("op", _registry_flops(flop_registry.get(func._overloadpacket)))
+        self.cache[id(func)] = (func, k)  # keep func alive: its id is the key
         return k
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.fake is not None and any(issubclass(t, self.fake) for t in types):
-            return func(*args, **kwargs)
-        if any(t not in _PLAIN for t in types):
-            return NotImplemented  # a tensor subclass: its own dispatch runs, and its local ops come back here
+        for t in types:
+            if t is not torch.Tensor and t is not torch.nn.Parameter:
+                if self.fake is not None and issubclass(t, self.fake):
+                    return func(*args, **kwargs)
+                return NotImplemented  # a tensor subclass: its own dispatch runs, its local ops come back here
+        entry = self.cache.get(id(func))
+        k = entry[1] if entry is not None else self._kind(func)
         tr = self.tracer
-        k = self._kind(func)
-        if k[0] == "free" or tr.depth or threading.get_ident() != tr.main:
+        kind = k[0]
+        if kind == "free" or tr.depth or threading.get_ident() != tr.main:
             return func(*args, **kwargs)
-        if k[0] == "c10d":
-            return tr.c10d_op(func, k[1], args, kwargs)
-        if k[0] == "functional":
-            return tr.functional_op(func, k[1], args, kwargs)
-        if k[0] == "wait":
-            t0 = now_ns()
+        if kind == "op" or kind == "sdpa":
+            t0 = time.monotonic_ns()
             out = func(*args, **kwargs)
-            uid = tr.tensor_uids.pop(id(args[0]), (None,))[0] if args else None
-            if uid is not None:
-                tr.events.append(("wait", t0, now_ns(), uid))
+            t1 = time.monotonic_ns()
+            nbytes, dtype, ins = 0, None, []
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    ins.append(a)
+                elif isinstance(a, (list, tuple)):
+                    _tensors(a, ins)
+            if kwargs:
+                for v in kwargs.values():
+                    _tensors(v, ins)
+            for a in ins:
+                nbytes += a.numel() * a.element_size()
+                if dtype is None and a.is_floating_point():
+                    dtype = a.dtype
+            if isinstance(out, torch.Tensor):
+                outs = (out,)
+            else:
+                outs = []
+                _tensors(out, outs)
+            for o in outs:
+                if not any(o is a for a in ins):
+                    nbytes += o.numel() * o.element_size()
+                    if dtype is None and o.is_floating_point():
+                        dtype = o.dtype
+            flops = 0
+            if kind == "sdpa":
+                flops = _sdpa_flops(k[1], args)
+            elif k[1] is not None:
+                try:
+                    flops = int(k[1](args, kwargs, out))
+                except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: bytes only
+                    flops = 0
+            if flops or nbytes:
+                tr.events.append(("c", t0 + _SKEW, t1 + _SKEW, flops, nbytes, _DTYPES.get(dtype, "float32")))
             return out
+        if kind == "c10d":
+            return tr.c10d_op(func, k[1], args, kwargs)
+        if kind == "functional":
+            return tr.functional_op(func, k[1], args, kwargs)
+        # wait_tensor
         t0 = now_ns()
         out = func(*args, **kwargs)
-        t1 = now_ns()
-        ins: list = []
-        _tensors(args, ins)
-        for v in kwargs.values():
-            _tensors(v, ins)
-        outs: list = []
-        _tensors(out, outs)
-        nbytes = sum(t.numel() * t.element_size() for t in ins)
-        ids = {id(t) for t in ins}
-        nbytes += sum(t.numel() * t.element_size() for t in outs if id(t) not in ids)
-        flops = 0
-        if k[0] == "sdpa":
-            flops = _sdpa_flops(k[1], args)
-        elif k[1] is not None:
-            try:
-                flops = int(k[1](*args, **kwargs, out_val=out))
-            except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: bytes only
-                flops = 0
-        if flops or nbytes:
-            tr.events.append(("c", t0, t1, flops, nbytes, _dtype_name(ins or outs)))
+        uid = tr.tensor_uids.pop(id(args[0]), (None,))[0] if args else None
+        if uid is not None:
+            tr.events.append(("wait", t0, now_ns(), uid))
         return out
 
 
