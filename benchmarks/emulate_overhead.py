@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     print(f"world_size={args.world_size}, repeats={args.repeats}, cores={os.cpu_count()}; chapter 03's DP run "
           f"(bucket + ddp, {args.steps} steps), wall times measured")
     print(f"unemulated               : {fmt(plain)}")
-    print(f"emulated ({args.profile:9s})     : {fmt(emulated)}  (replay {res.emulation.replay_s:.2f} s, "
+    print(f"emulated ({args.profile})      : {fmt(emulated)}  (replay {res.emulation.replay_s:.2f} s, "
           f"{sum(len(t) for t in res.emulation.traces)} trace events)")
     if not args.skip_big:
         for line in big_run(args.big_world_size, args.profile, args.op_ms):
