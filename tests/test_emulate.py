@@ -388,3 +388,15 @@ def test_sixteen_ranks_all_reduce_busbw_beside_the_cost_model():
         assert r["time_s"] == pytest.approx(r["predicted_s"], abs=2e-9)
     assert r8["busbw_gbps"] == pytest.approx(450, rel=0.01)
     assert 250 < r16["busbw_gbps"] < 350  # two nodes: NVLink inside, 8 rails of 400 Gb/s between
+
+
+@pytest.mark.parametrize("bad", ["--world-size=0", "--profile=dgx-h200", "--big-world-size=12"])
+def test_benchmark_bad_argument_is_one_line_exit_2(bad):
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "emulate_overhead.py"), bad],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(repo)), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("emulate_overhead: "), proc.stderr
