@@ -27,9 +27,9 @@ GiB = 2**30
 def toy_cluster(comm_ns: float, *, width: int = 128, gpus_per_node: int = 8) -> Cluster:
     """Matmuls at exactly 1 ns per 1048.576 FLOP, memory traffic free, one weight's all-reduce = comm_ns."""
     bw = width * width * 4 / (comm_ns * 1e-9) / 1e9
-    return Cluster("toy", Device("toy", {"fp32": 1.048576}, math.inf), gpus_per_node,
-                   cm.Link("toy", bw, 2 * bw, 0.0, 0.0), cm.Link("toy-net", bw, 2 * bw, 0.0, 0.0),
-                   nics_per_node=gpus_per_node, compute_efficiency=1.0, base_latency_s=0.0)
+    return Cluster(Device("toy", {"fp32": 1.048576}, math.inf), gpus_per_node, cm.Link("toy", bw, 2 * bw, 0.0, 0.0),
+                   cm.Link("toy-net", bw, 2 * bw, 0.0, 0.0), name="toy", nics_per_node=gpus_per_node,
+                   compute_efficiency=1.0, base_latency_s=0.0)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -83,11 +83,11 @@ def test_group_collective_time_single_node_is_the_ring_and_multi_node_is_hierarc
     (lambda: get_cluster("dgx-h100", memory_efficiency=1.5), r"memory_efficiency=1.5"),
     (lambda: get_cluster("dgx-h100", link_efficiency=float("nan")), r"link_efficiency=nan"),
     (lambda: get_cluster("dgx-h100", kernel_overhead_s=-1), r"kernel_overhead_s=-1"),
-    (lambda: Cluster("x", "h100-80gb", 0, "nvlink4"), r"gpus_per_node=0"),
-    (lambda: Cluster("x", "h300", 8, "nvlink4"), r"device='h300' is not valid"),
-    (lambda: Cluster("x", "b200-180gb", 8, "nvlink4"), r"has no peak_fp32_tflops .* choose one of: .*h100-80gb"),
-    (lambda: Cluster("x", "h100-80gb", 8, "nvlink9"), r"link='nvlink9' is not valid"),
-    (lambda: Cluster("x", "h100-80gb", 8, "nvlink4").check_world_size(16), r"one node of 8 GPUs"),
+    (lambda: Cluster("h100-80gb", 0, "nvlink4"), r"gpus_per_node=0"),
+    (lambda: Cluster("h300", 8, "nvlink4"), r"device='h300' is not valid"),
+    (lambda: Cluster("b200-180gb", 8, "nvlink4"), r"has no peak_fp32_tflops .* choose one of: .*h100-80gb"),
+    (lambda: Cluster("h100-80gb", 8, "nvlink9"), r"link='nvlink9' is not valid"),
+    (lambda: Cluster("h100-80gb", 8, "nvlink4").check_world_size(16), r"'custom' is one node of 8 GPUs"),
     (lambda: em.resolve("dgx-h100", 12), r"world_size=12 cannot be placed"),
     (lambda: em.resolve({"cluster": "dgx-h100", "speed": 2}), r"unknown option\(s\) speed; valid: cluster"),
     (lambda: em.resolve({"compute_efficiency": 0.5}), r"needs 'cluster'"),
@@ -189,6 +189,9 @@ def test_replay_errors_name_ranks_and_ops():
         replay([[], [("p2p", 0, 1, 1, "recv", -1, 0, 8, False, {})]], c)
     with pytest.raises(ValueError, match=r"world_size=12 cannot be placed"):
         replay([[]] * 12, get_cluster("dgx-h100"))
+    custom = Cluster(device="h100-80gb", gpus_per_node=4, intra="nvlink4", inter="ib-ndr", nics_per_node=4,
+                     compute_efficiency=0.6, memory_efficiency=0.9)
+    assert custom.name == "custom" and em.resolve(custom, 8).label == "emulated (custom)"
 
 
 def test_model_charge_scales_flops_bytes_and_each_mesh_dim():
@@ -305,7 +308,7 @@ def test_record_keeps_both_timelines_and_the_profile(bucket_run, tmp_path):
     path = records.save("emulated-dp", {"emulate": "toy"}, result=bucket_run, root=tmp_path)
     rec = records.load(path)
     assert rec.timeline is not None and len(rec.timeline) == len(bucket_run.timeline)
-    assert len(rec.tables["emulated_timeline"]) == len(bucket_run.emulated)
+    assert len(rec.emulated) == len(bucket_run.emulated)
     emu = rec.identity["emulation"]
     assert emu["label"] == "emulated (toy)" and emu["cluster"]["gpus_per_node"] == 8
 

@@ -94,6 +94,12 @@ class Record:
     timeline: pd.DataFrame | None = None
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
 
+    @property
+    def emulated(self) -> pd.DataFrame | None:
+        """The emulated timeline of a run launched with ``emulate=`` (None otherwise); its profile is
+        ``identity["emulation"]``."""
+        return self.tables.get("emulated_timeline")
+
 
 def _frame(obj) -> pd.DataFrame:
     if isinstance(obj, pd.DataFrame):

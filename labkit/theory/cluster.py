@@ -129,11 +129,11 @@ class Cluster:
     """A GPU cluster profile: what each compute and communication event of an emulated run costs.
 
     Attributes:
-        name: profile name (``dgx-h100`` ...; any name for a custom profile).
         device: a :class:`Device` or a device name of data/hardware.yaml.
         gpus_per_node: GPUs (ranks) per node; rank r is on node ``r // gpus_per_node``.
         intra: the link between GPUs of one node (a :class:`~labkit.theory.costmodel.Link` or a link name).
         inter: the network between nodes (Link, name, or None for a single-node profile).
+        name: profile name (``dgx-h100`` ...; default ``"custom"``), the ``<profile>`` of the label.
         nics_per_node: network ports per node (8 on a rail-optimised DGX: one per GPU).
         rail_optimized: every GPU's NIC on its own switch rail (descriptive: the model has no contention).
         compute_efficiency, memory_efficiency, link_efficiency: fractions in (0, 1] (module docstring).
@@ -146,11 +146,11 @@ class Cluster:
     efficiency outside (0, 1] or NaN, or a negative kernel overhead.
     """
 
-    name: str
     device: Device | str
     gpus_per_node: int
     intra: costmodel.Link | str
     inter: costmodel.Link | str | None = None
+    name: str = "custom"
     nics_per_node: int = 1
     rail_optimized: bool = True
     compute_efficiency: float = 0.5
@@ -313,5 +313,5 @@ def ideal_cluster(gpus_per_node: int = 1024, **overrides) -> Cluster:
     inf = math.inf
     link = costmodel.Link("ideal", inf, inf, 0.0, 0.0, "infinitely fast, zero latency")
     dev = Device("ideal", {"fp32": inf}, inf)
-    return Cluster("ideal", dev, gpus_per_node, link, link, nics_per_node=gpus_per_node, base_latency_s=0.0,
+    return Cluster(dev, gpus_per_node, link, link, name="ideal", nics_per_node=gpus_per_node, base_latency_s=0.0,
                    **overrides)
