@@ -469,7 +469,8 @@ class Tracer:
             ranks = self._ranks(pg)
         except Exception:  # noqa: BLE001 - an unregistered group: the world
             ranks = tuple(range(self.world_size))
-        s = 0 if op == "barrier" else _nbytes(args[0]) if op != "all_gather" else _nbytes(args[0])
+        # S as nccl-tests counts it: the (gathered) output's first argument, reduce-scatter's input (the second)
+        s = 0 if op == "barrier" else _nbytes(args[1]) if op == "reduce_scatter" else _nbytes(args[0])
         uid = self.uid()
         is_async = bool(self.in_backward)
         self.events.append(("coll", t0, t1, uid, op, ranks, s, is_async, self._info(op)))
