@@ -354,6 +354,46 @@ def test_torch_native_variants_are_emulated_with_parity():
     assert (e.totals()["end_s"] > 0).all()
 
 
+def _threaded_collective(ctx):
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    errors = []
+
+    def go():
+        try:
+            dist.all_reduce(torch.ones(4))
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=go)
+    t.start()
+    t.join()
+    dist.all_reduce(torch.ones(4))  # the partner of whichever call did run
+    if errors:
+        raise RuntimeError(errors[0])
+    return "no error"
+
+
+def test_a_variant_the_tracer_cannot_see_says_so():
+    import torch
+
+    from labkit.runtime.emulate.tracer import Tracer
+    from labkit.runtime.launcher import RankFailed
+
+    with pytest.raises(RankFailed, match=r"thread other than the rank's main thread.*cannot be emulated"):
+        launch(_threaded_collective, 2, emulate="dgx-h100", echo=False)
+    tracer = Tracer(0, 1).start()
+    try:
+        with pytest.raises(RuntimeError, match=r"torch.compile cannot be emulated"):
+            torch.compile(lambda x: x)
+    finally:
+        tracer.stop()
+    assert torch.compile.__module__.startswith("torch")  # restored
+
+
 def test_cli_bench_collectives_emulated(capsys):
     from labkit.cli import main
 

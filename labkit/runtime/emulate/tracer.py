@@ -24,8 +24,9 @@ What is observed, and how (every path is exercised by tests/test_emulate.py):
   returns (DDP's reducer waits for every bucket at the end of backward: ``finalize_backward``); elsewhere
   blocking. The futures a DDP comm hook returns are waited at the same point.
 
-A collective issued from another thread than the one that runs the rank function raises RuntimeError: the
-dispatch mode cannot see that thread's compute, so its timeline would be wrong.
+A collective issued from another thread than the one that runs the rank function raises RuntimeError (the
+dispatch mode cannot see that thread's compute, so its timeline would be wrong), and so does ``torch.compile``
+(compiled graphs hide their operations): a variant that cannot be emulated says so.
 """
 
 from __future__ import annotations
@@ -304,6 +305,7 @@ class Tracer:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self._patch(DDP, "register_comm_hook", self._ddp_hook(DDP.register_comm_hook))
+        self._patch(torch, "compile", _no_compile)
         self._mode = _Mode(self)
         self._mode.__enter__()
         state.ACTIVE = self
@@ -551,6 +553,14 @@ class Tracer:
             return orig(ddp, hook_state, traced)
 
         return register_comm_hook
+
+
+def _no_compile(*args, **kwargs):
+    """``torch.compile`` inside an emulated rank: refused, because compiled graphs run their operations and
+    collectives where the tracer cannot see them (the run would get a wrong timeline)."""
+    raise RuntimeError("torch.compile cannot be emulated: compiled graphs hide their operations and collectives "
+                       "from the emulator's tracer; run this variant without emulate=, or without torch.compile "
+                       "(see labkit.runtime.emulate.VARIANTS)")
 
 
 def start(rank: int, world_size: int) -> Tracer:

@@ -45,7 +45,7 @@ VARIANTS: dict[str, tuple[bool, str]] = {
     "serving:rank_loss": (False, "a lost rank is detected by a real (gloo) timeout, which has no emulated "
                                  "equivalent: the replay would see a collective some rank never issues"),
     "torch_compile": (False, "torch.compile'd code runs its operations and collectives inside compiled graphs "
-                             "that the dispatch mode does not see"),
+                             "that the dispatch mode does not see (torch.compile raises in an emulated rank)"),
     "background_thread": (False, "collectives issued from another thread than the rank function's: the "
                                  "tracer sees only the main thread's compute (it raises RuntimeError)"),
     "recv_any_source": (False, "irecv(src=None): which send it matches depends on real timing"),
