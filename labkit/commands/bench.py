@@ -47,6 +47,9 @@ def _collectives_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="auto (default: nccl with a GPU per rank, else gloo), "
                                                      "gloo or nccl")
     p.add_argument("--timeout-s", type=float, default=600.0, help="limit for the whole run (default 600)")
+    p.add_argument("--emulate", default=None, metavar="PROFILE",
+                   help="time the sweep as the named GPU cluster would (labkit.runtime.emulate; e.g. dgx-h100): "
+                        "real collectives on small CPU buffers, each charged its S; rows labelled emulated")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--csv", action="store_true", help="print CSV instead of the table")
     fmt.add_argument("--json", action="store_true",
@@ -60,10 +63,13 @@ def _collectives_run(args: argparse.Namespace) -> int:
     :mod:`labkit.cli`, which turns each into one line on stderr and exit status 2 (never caught here)."""
     from labkit.checks import positive_float
     from labkit.experiments import collectives as col
-    from labkit.theory.collectives import parse_size
+    from labkit.theory.collectives import parse_ops, parse_size, size_range
 
     positive_float("timeout_s", args.timeout_s)
     sizes = [parse_size(s, "sizes") for s in args.sizes.split(",")] if args.sizes else None
+    if args.emulate:
+        return _collectives_emulated(args, parse_ops(args.ops),
+                                     sizes or size_range(args.min_size, args.max_size, args.step_factor))
     df = col.sweep(args.ops, sizes, args.world_size, min_size=args.min_size, max_size=args.max_size,
                    factor=args.step_factor, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
                    iters=args.iters, backend=args.backend, timeout_s=args.timeout_s)
@@ -78,6 +84,21 @@ def _collectives_run(args: argparse.Namespace) -> int:
         print(f"labkit bench collectives: {wrong} wrong element(s): a collective returned wrong values",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def _collectives_emulated(args: argparse.Namespace, ops: list, sizes: list) -> int:
+    """``--emulate PROFILE``: :func:`labkit.experiments.emulate.emulated_sweep` (the profile and world size are
+    checked before any rank starts), printed with the link each op crossed and the cost model beside it."""
+    from labkit.experiments.emulate import emulated_sweep
+
+    df = emulated_sweep(ops, sizes, args.world_size, args.emulate, timeout_s=args.timeout_s)
+    if args.json:
+        print(json.dumps(df.to_dict("records"), indent=1))
+    elif args.csv:
+        df.to_csv(sys.stdout, index=False)
+    else:
+        print(df.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     return 0
 
 

@@ -36,6 +36,11 @@ def run(args) -> int:
         from labkit.runtime.limits import check_world_size
 
         check_world_size(positive_int("-p world_size", params["world_size"]), name="-p world_size")
+    if params.get("emulate") not in (None, False, ""):  # a bad profile fails here, before any chapter runs
+        from labkit.runtime.emulate import resolve
+
+        ws = params.get("world_size")
+        resolve(params["emulate"], ws if isinstance(ws, int) and not isinstance(ws, bool) else None)
     timeout = positive_float("--cell-timeout", args.cell_timeout)
     if params:  # a parameter no chosen chapter declares is a typo: refused before anything runs
         check_parameters(discover(chapters), params)

@@ -80,7 +80,9 @@ class LaunchResult(list):
     """What ``launch`` returns: a list with one entry per rank (rank order), plus
 
     * ``timeline`` — every rank's timeline events in one DataFrame (see :mod:`labkit.runtime.timeline`);
-    * ``world_size``, ``backend``, ``wall_s`` (seconds from first spawn to last result, measured).
+    * ``world_size``, ``backend``, ``wall_s`` (seconds from first spawn to last result, measured);
+    * with ``launch(..., emulate=...)``: ``emulated`` (the emulated timeline frame) and ``emulation`` (a
+      :class:`labkit.runtime.emulate.Emulation`: profile, label, per-rank totals); None otherwise.
     """
 
     def __init__(self, results, timeline: pd.DataFrame, world_size: int, backend: str, wall_s: float):
@@ -89,6 +91,8 @@ class LaunchResult(list):
         self.world_size = world_size
         self.backend = backend
         self.wall_s = wall_s
+        self.emulated: pd.DataFrame | None = None
+        self.emulation = None
 
     def __repr__(self) -> str:
         return (f"LaunchResult(world_size={self.world_size}, backend={self.backend!r}, "
@@ -324,7 +328,7 @@ class RankSet:
         return False
 
     def run(self, fn, payload: bytes, timeout_s: float, threads: int, echo: bool, *, last: bool,
-            start: float | None = None) -> LaunchResult:
+            start: float | None = None, emulation=None) -> LaunchResult:
         from labkit.runtime.limits import oom_kill_counts
 
         self.procs.echo = echo
@@ -336,7 +340,8 @@ class RankSet:
         if start != self.started:
             self.oom_before = oom_kill_counts()
         self.last_job = job
-        self.procs.send(json.dumps({"job": job.name, "threads": threads, "last": last}))
+        self.procs.send(json.dumps({"job": job.name, "threads": threads, "last": last,
+                                    "emulate": emulation.rank_config() if emulation is not None else None}))
         try:
             _wait(self, job, timeout_s, start)
         except LaunchError as e:
@@ -351,8 +356,13 @@ class RankSet:
             frames.append(t.to_frame())
         for f in job.glob("*.pkl"):
             f.unlink()
-        return LaunchResult([o["result"] for o in outputs], tl.concat(frames), self.world_size, self.backend,
-                            wall_s)
+        result = LaunchResult([o["result"] for o in outputs], tl.concat(frames), self.world_size, self.backend,
+                              wall_s)
+        if emulation is not None:
+            from labkit.runtime import emulate as _emulate
+
+            _emulate.attach(result, emulation, outputs)
+        return result
 
     def close_procs(self) -> None:
         """Kill every rank and everything it started (idempotent); the private folder stays for reading."""
@@ -373,6 +383,18 @@ def _describe_exit(code: int) -> tuple[str, str | None]:
             name = f"signal {-code}"
         return f"was killed by {name}", name
     return f"exited with code {code} without raising a Python exception", None
+
+
+def _emulation_plan(emulate, world_size: int, backend: str):
+    """The emulation plan of a launch (:func:`labkit.runtime.emulate.prepare`), or None; imports the emulator
+    only when something is emulated (ValueError for a bad profile, before any process starts)."""
+    from labkit.runtime.emulate import state
+
+    if emulate is None and not state.AMBIENT:
+        return None
+    from labkit.runtime import emulate as _emulate
+
+    return _emulate.prepare(emulate, world_size, backend)
 
 
 def _check_launch_args(world_size, timeout_s, start_method, backend, threads_per_rank):
@@ -396,7 +418,7 @@ def _check_launch_args(world_size, timeout_s, start_method, backend, threads_per
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
            start_method: str = "spawn", threads_per_rank: int | None = None, echo: bool = True,
-           max_world_size: int | None = None, **kwargs) -> LaunchResult:
+           max_world_size: int | None = None, emulate=None, **kwargs) -> LaunchResult:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
 
     Args:
@@ -413,6 +435,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         echo: forward each rank's stdout/stderr here, prefixed ``[rank r]``.
         max_world_size: raise (or lower) the memory-derived cap on ``world_size`` explicitly (also
             ``$LABKIT_MAX_WORLD_SIZE``).
+        emulate: also time the run as a GPU cluster would (:mod:`labkit.runtime.emulate`): a profile name
+            such as ``"dgx-h100"``, a :class:`labkit.theory.cluster.Cluster`, or a dict (profile, efficiencies,
+            "as a model" charging); runs on gloo. Default: the enclosing ``emulate.emulation(...)`` block's, if any.
         **kwargs: passed to ``fn``. The names above are reserved by ``launch``.
 
     Returns:
@@ -421,13 +446,18 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
 
     Raises:
         ValueError: bad ``world_size`` (or more ranks than memory holds), ``backend``, ``timeout_s`` or
-            ``start_method``.
+            ``start_method``; with ``emulate``, an unknown profile, a world size its nodes cannot hold evenly,
+            or a bad option (before any process starts); a trace that cannot be replayed
+            (``labkit.theory.replay.ReplayError``, after the run).
         ShipError (a ValueError): ``fn`` or an argument cannot be pickled; raised before any process starts.
         RankFailed: a rank raised, exited or was killed (``.rank``, ``.traceback_text``, ``.signal_name``; a
             SIGKILL says whether the OOM killer did it).
         LaunchTimeout: the run exceeded ``timeout_s`` (``.stacks``: rank -> Python stack).
         KeyboardInterrupt: re-raised after every rank has been killed.
     """
+    emulation = _emulation_plan(emulate, positive_int("world_size", world_size), backend)
+    if emulation is not None:
+        backend = "gloo"  # the emulated run itself runs on the CPU
     world_size, timeout_s, backend, threads_per_rank = _check_launch_args(world_size, timeout_s, start_method,
                                                                           backend, threads_per_rank)
     if isinstance(fn, str):
@@ -442,7 +472,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     payload = ship(fn, args, kwargs)
     ranks = RankSet(world_size, backend, timeout_s, threads_per_rank, echo)
     try:
-        return ranks.run(fn, payload, timeout_s, threads_per_rank, echo, last=True, start=ranks.started)
+        return ranks.run(fn, payload, timeout_s, threads_per_rank, echo, last=True, start=ranks.started,
+                         emulation=emulation)
     finally:
         ranks.close()
 

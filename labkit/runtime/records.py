@@ -6,6 +6,8 @@ A record folder (``runs/records/<UTC stamp>_<experiment>_<id>/``) holds
   Python versions, backend, world size, host, CPU cores or GPU names, start time (UTC, ISO 8601);
 * ``metrics.csv`` — the measured numbers (one row per measurement), when given;
 * ``timeline.csv`` — the per-rank timeline (columns of :mod:`labkit.runtime.timeline`), when given;
+* ``emulated_timeline.csv`` and ``identity.json``'s ``emulation`` (label, the cluster profile with every
+  number, the "as a model" factors) — for a run launched with ``emulate=`` (both timelines are kept);
 * ``<name>.csv`` — any further tables.
 
 Writes are atomic: everything goes into a hidden temporary folder that is renamed into place at the end,
@@ -149,6 +151,12 @@ class Record:
     timeline: pd.DataFrame | None = None
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
 
+    @property
+    def emulated(self) -> pd.DataFrame | None:
+        """The emulated timeline of a run launched with ``emulate=`` (None otherwise); its profile is
+        ``identity["emulation"]``."""
+        return self.tables.get("emulated_timeline")
+
 
 def _frame(obj) -> pd.DataFrame:
     if isinstance(obj, pd.DataFrame):
@@ -169,7 +177,8 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
         metrics: a DataFrame, a dict (one row) or a list of dicts (rows) of measured numbers.
         timeline: a timeline frame; defaults to ``result.timeline`` when ``result`` is a LaunchResult.
         tables: further named DataFrames.
-        result: a :class:`~labkit.runtime.launcher.LaunchResult`, for its world size, backend and timeline.
+        result: a :class:`~labkit.runtime.launcher.LaunchResult`, for its world size, backend and timeline (and,
+            when it was emulated, its emulated timeline and profile).
         root: records folder (default ``runs/records``).
 
     Raises ValueError for an empty or unsafe experiment name or table name.
@@ -177,11 +186,14 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
     safe = experiment.replace("-", "").replace("_", "")
     if not experiment or not safe.isalnum():
         raise ValueError(f"experiment={experiment!r} must be non-empty letters, digits, '-' or '_'")
+    emulation = getattr(result, "emulation", None) if result is not None else None
     if result is not None:
         world_size = world_size or getattr(result, "world_size", None)
         backend = backend or getattr(result, "backend", None)
         if timeline is None:
             timeline = getattr(result, "timeline", None)
+    if emulation is not None and getattr(result, "emulated", None) is not None:
+        tables = {**(tables or {}), "emulated_timeline": result.emulated}
     root = Path(root) if root is not None else runs_dir() / RECORDS_SUBDIR
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_temp(root)
@@ -195,6 +207,8 @@ def save(experiment: str, params: dict | None = None, *, metrics=None, timeline:
         (tmp / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                               "start": process_start_ticks(os.getpid())}))
         ident = identity(experiment, params, world_size=world_size, backend=backend, started=started)
+        if emulation is not None:
+            ident["emulation"] = emulation.profile()
         (tmp / "identity.json").write_text(json.dumps(ident, indent=2, default=str))
         if metrics is not None:
             _frame(metrics).to_csv(tmp / "metrics.csv", index=False)

@@ -5,8 +5,8 @@ Two entries:
 * ``rank_main([RUN_DIR, RANK])`` — started by :func:`labkit.runtime.launcher.launch` and
   :class:`labkit.runtime.pool.Pool` under the launch supervisor (supervisor.py), as ``python -P -c BOOT``
   (safepath.py: nothing is imported from the working directory). The rank creates its process group once,
-  then runs one job per line on its stdin (``{"job": DIR, "threads": N, "last": bool}``): it reads the shipped
-  function from ``RUN_DIR/DIR``, writes its result or its error back there, and — in a pool — checks the
+  then runs one job per line on its stdin (``{"job": DIR, "threads": N, "last": bool, "emulate": cfg}``):
+  it reads the shipped function from ``RUN_DIR/DIR`` (and records a trace for the emulator when ``emulate``), writes its result or its error back there, and — in a pool — checks the
   group, resets itself (reset.py) and waits for the next job. A cold launch sends one job with ``last``.
 * ``torchrun ... -m labkit.runtime.worker MODULE:FUNCTION [--kwargs JSON] [--out DIR] [--pickle-results]`` —
   the same rank functions under torchrun (single- or multi-node). Each rank writes ``DIR/rank<r>.pt`` (data
@@ -141,17 +141,28 @@ def _finish_group(ctx) -> None:
             dist.destroy_process_group()
 
 
-def _package(ctx, result) -> bytes:
+def _package(ctx, result, trace=None) -> bytes:
     import cloudpickle
 
     try:
-        return cloudpickle.dumps({"result": result, "events": ctx.timeline.events,
-                                  "offset_ns": ctx.timeline.offset_ns})
+        out = {"result": result, "events": ctx.timeline.events, "offset_ns": ctx.timeline.offset_ns}
+        if trace is not None:  # launch(..., emulate=...): this rank's trace for the replay
+            out["trace"] = trace
+        return cloudpickle.dumps(out)
     except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
         raise TypeError(
             f"rank {ctx.rank} returned a value of type {type(result).__name__} that cannot be pickled "
             f"({type(e).__name__}: {e}); return plain data (dicts, lists, numbers, tensors, DataFrames)"
         ) from e
+
+
+def _emulate_begin(config, rank: int, world_size: int):
+    """Start recording this rank's trace for the emulator when the job asked for it (else None)."""
+    if not config:
+        return None
+    from labkit.runtime.emulate import rank_begin
+
+    return rank_begin(config, rank, world_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,9 +237,13 @@ def _run_job(job_dir: Path, rank: int, world_size: int, backend: str, job: dict,
         payload = cloudpickle.loads((job_dir / "payload.pkl").read_bytes())
         where = "the rank function"
         (job_dir / f"started_{rank}").touch()  # lets the launcher tell a slow start-up from a hang
-        result = payload["fn"](ctx, *payload["args"], **payload["kwargs"])
+        tracer = _emulate_begin(job.get("emulate"), rank, world_size)  # launch(..., emulate=...) only
+        try:
+            result = payload["fn"](ctx, *payload["args"], **payload["kwargs"])
+        finally:
+            trace = tracer.stop() if tracer is not None else None
         where = "pickling the result"
-        blob = _package(ctx, result)
+        blob = _package(ctx, result, trace)
         _atomic_write(job_dir / f"result_{rank}.pkl", blob)
         del payload, result, blob
         if job.get("last"):

@@ -36,3 +36,33 @@ def check_batch(world_size: int, global_batch_size, n_microbatches=1, *, dp_name
     check_divides("n_microbatches", m, "local_batch_size", local,
                   hint=f"local_batch_size = global_batch_size / {dp_name} = {gbs} / {n}; {hint}")
     return local
+
+
+def overlapped_step_s(forward_s: float, backward_s, comm_s, *, overlap: bool = True) -> dict:
+    """Predicted seconds of one data-parallel step whose gradients are all-reduced in buckets.
+
+    ``backward_s[j]`` is the backward compute that makes bucket j ready (buckets in launch order: the last
+    layers' first), ``comm_s[j]`` bucket j's all-reduce. With ``overlap`` each bucket's all-reduce starts when
+    it is ready and the previous one is done (one communication stream; Li et al. 2020, "PyTorch Distributed",
+    Sec. 3.2.3): ready_j = sum(backward_s[:j+1]), end_j = max(ready_j, end_{j-1}) + comm_s[j], and the step
+    is ``forward + max(backward, end_last)`` — max(compute, the communication that cannot hide). Without
+    overlap (all-reduces after backward, as the naive variant): ``forward + backward + sum(comm_s)``.
+
+    Returns ``{"step_s", "compute_s", "comm_s", "exposed_comm_s"}`` (all predicted). Raises ValueError for
+    lists of different lengths or a negative time.
+    """
+    bwd, comm = [float(x) for x in backward_s], [float(x) for x in comm_s]
+    if len(bwd) != len(comm):
+        raise ValueError(f"backward_s has {len(bwd)} entries but comm_s has {len(comm)}; give one per bucket")
+    if min([float(forward_s), *bwd, *comm], default=0.0) < 0:
+        raise ValueError("forward_s, backward_s and comm_s must be >= 0 seconds")
+    compute = float(forward_s) + sum(bwd)
+    if overlap:
+        ready = end = 0.0
+        for b, c in zip(bwd, comm):
+            ready += b
+            end = max(ready, end) + c
+        step = float(forward_s) + max(sum(bwd), end)
+    else:
+        step = compute + sum(comm)
+    return {"step_s": step, "compute_s": compute, "comm_s": sum(comm), "exposed_comm_s": step - compute}

@@ -1,0 +1,109 @@
+"""The layout's rules (docs/architecture.md), checked on the code itself.
+
+* ``labkit/parallel/`` (strategies) imports no runtime, experiments, chapters, views, pandas or plotly;
+* ``labkit/theory/`` (predictions) imports none of those either, and no torch and no strategy;
+* ``import labkit`` and every theory module load neither torch nor pandas (checked in a fresh interpreter,
+  so an import hidden behind another module counts too);
+* size budget: no file under ``labkit/parallel/`` over 400 lines, none in ``labkit/`` over 700;
+* every chapter has a "Code in this chapter" cell, and every relative link in a chapter resolves.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LABKIT = ROOT / "labkit"
+
+VIEWS = ("labkit.plots", "labkit.widgets", "labkit.notebooks", "labkit.cli", "labkit.commands")
+#: old top-level paths kept as aliases of moved modules: new code names the room
+ALIASES = ("labkit.launcher", "labkit.worker", "labkit.rank", "labkit.timeline", "labkit.commlog", "labkit.records",
+           "labkit.measure", "labkit.memory", "labkit.costmodel", "labkit.simulate", "labkit.mesh", "labkit.planner",
+           "labkit.spec")
+ROOMS = ("labkit.runtime", "labkit.experiments", "labkit.chapters")
+FORBIDDEN = {
+    "parallel": ROOMS + VIEWS + ALIASES + ("pandas", "plotly"),
+    "theory": ROOMS + VIEWS + ALIASES + ("pandas", "plotly", "torch", "numpy", "labkit.parallel", "labkit.models"),
+}
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every module an import statement in ``path`` names (top level and inside functions), with its line."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            if node.module == "labkit":  # from labkit import records -> labkit.records
+                out += [(node.lineno, f"labkit.{a.name}") for a in node.names]
+    return out
+
+
+def _names(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_rooms_import_only_what_they_may(room):
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}"
+           for p in sorted((LABKIT / room).rglob("*.py"))
+           for line, mod in _imports(p) if _names(mod, FORBIDDEN[room])]
+    assert not bad, f"labkit/{room}/ must not import these (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_boundary_check_sees_a_violation(tmp_path):
+    """The checker itself can fail: a hidden import inside a function is found."""
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    import pandas as pd\n    from labkit import records\n")
+    mods = [m for _, m in _imports(f)]
+    assert _names(mods[0], FORBIDDEN["parallel"]) and "labkit.records" in mods
+
+
+def _theory_modules() -> list[str]:
+    return sorted("labkit." + ".".join(p.relative_to(LABKIT).with_suffix("").parts).removesuffix(".__init__")
+                  for p in (LABKIT / "theory").rglob("*.py"))
+
+
+def test_import_labkit_and_theory_load_no_torch_or_pandas():
+    mods = ["labkit", *_theory_modules()]
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}:\n"
+            "    importlib.import_module(m)\n"
+            "print(sorted(k for k in ('torch', 'pandas', 'plotly') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _lines(p: Path) -> int:
+    return len(p.read_text().splitlines())
+
+
+def test_size_budget():
+    over = [f"{p.relative_to(ROOT)}: {_lines(p)} lines (budget {400 if 'parallel' in p.parts else 700})"
+            for p in sorted(LABKIT.rglob("*.py"))
+            if _lines(p) > (400 if "parallel" in p.relative_to(LABKIT).parts else 700)]
+    assert not over, "split these by concern:\n" + "\n".join(over)
+
+
+CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+LINK = re.compile(r"\]\(((?:\.\./|\./)[^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_links_its_code_and_every_link_resolves(path):
+    cells = json.loads(path.read_text())["cells"]
+    md = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+    code = [m for m in md if "Code in this chapter" in m]
+    assert code, f"{path.name}: no 'Code in this chapter' cell"
+    links = LINK.findall(code[0])
+    assert any("labkit/" in link for link in links), f"{path.name}: the code cell links no labkit file"
+    broken = [link for m in md for link in LINK.findall(m) if not (path.parent / link).resolve().exists()]
+    assert not broken, f"{path.name}: links that do not resolve: {broken}"
