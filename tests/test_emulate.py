@@ -340,7 +340,7 @@ def test_dp_tp_pp_step_charged_as_llama_agrees_with_the_planner_or_the_differenc
 
 
 def test_torch_native_variants_are_emulated_with_parity():
-    from labkit.parallel.composed import run_composed
+    from labkit.experiments.composed import run_composed
 
     with em.emulation("dgx-h100") as session:  # DTensor TP + FSDP2, hand TP + bucketed DP, pipelining + FSDP2
         out = run_composed(4, steps=1)

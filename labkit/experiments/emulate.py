@@ -60,11 +60,11 @@ def bucket_overlap_rank(ctx, variants=BUCKET_VARIANTS, *, n_layers: int = 4, wid
     for variant in variants:
         model = _square_stack(n_layers, width, seed).to(ctx.device)
         if variant == "naive":
-            wrapped = DataParallelNaive(model, ctx)
+            wrapped = DataParallelNaive(model, ctx=ctx)
         elif variant == "bucket":
-            wrapped = DataParallelBucket(model, ctx, bucket_cap_bytes=cap, first_bucket_cap_bytes=cap)
+            wrapped = DataParallelBucket(model, ctx=ctx, bucket_cap_bytes=cap, first_bucket_cap_bytes=cap)
         else:
-            wrapped = torch_ddp(model, ctx, bucket_cap_bytes=cap, log_comm=variant == "ddp")
+            wrapped = torch_ddp(model, ctx=ctx, bucket_cap_bytes=cap, log_comm=variant == "ddp")
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(seed + 1 + ctx.rank)
         ctx.barrier()
@@ -183,7 +183,7 @@ def step3d_rank(ctx, dp: int, tp: int, pp: int, *, model: str = "lab-tiny-llama"
     full = build_model(spec, seed, device=ctx.device)
     tpm = apply_tp(full, groups["tp"][0])
     stage = _Stage(tpm, range(s * per, (s + 1) * per), first, last)
-    dpm = DataParallelBucket(stage, ctx, groups["dp"][0])
+    dpm = DataParallelBucket(stage, ctx=ctx, group=groups["dp"][0])
     opt = make_optimizer(list(stage.parameters()), lr)
     actions = make_schedule("1f1b", pp, m).actions[s]
     prev = dims.rank_of(tp=coords["tp"], dp=coords["dp"], pp=s - 1) if not first else None

@@ -6,8 +6,9 @@ Two entries:
   :class:`labkit.runtime.pool.Pool` under the launch supervisor (supervisor.py), as ``python -P -c BOOT``
   (safepath.py: nothing is imported from the working directory). The rank creates its process group once,
   then runs one job per line on its stdin (``{"job": DIR, "threads": N, "last": bool, "emulate": cfg}``):
-  it reads the shipped function from ``RUN_DIR/DIR`` (and records a trace for the emulator when ``emulate``), writes its result or its error back there, and — in a pool — checks the
-  group, resets itself (reset.py) and waits for the next job. A cold launch sends one job with ``last``.
+  it reads the shipped function from ``RUN_DIR/DIR`` (recording a trace for the emulator when ``emulate``),
+  writes its result or its error back there, and — in a pool — checks the group, resets itself (reset.py)
+  and waits for the next job. A cold launch sends one job with ``last``.
 * ``torchrun ... -m labkit.runtime.worker MODULE:FUNCTION [--kwargs JSON] [--out DIR] [--pickle-results]`` —
   the same rank functions under torchrun (single- or multi-node). Each rank writes ``DIR/rank<r>.pt`` (data
   only, results.py); :func:`labkit.runtime.launcher.load_results` reads them back as a LaunchResult.
