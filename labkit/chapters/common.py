@@ -50,3 +50,49 @@ def check_exercise(answer, reference: float, *, hint: str, wrong: str, rel_tol: 
     ok = math.isclose(float(answer), float(reference), rel_tol=rel_tol, abs_tol=abs_tol)
     assert ok, f"{answer!r} is not right: {wrong}"
     print("correct")
+
+
+def compare_prediction(my_prediction, *, measured=None, predicted=None, what: str, unit: str = "",
+                       measured_label: str = "measured", predicted_label: str = "predicted") -> dict | None:
+    """After a chapter's run: print how far the reader's guess (the ``my_prediction`` parameter) was from what
+    the run gave (``measured``, labelled ``measured_label``: "measured" or "emulated (<profile>)") and from
+    theory (``predicted``, labelled ``predicted_label``). ``my_prediction`` None (CI, or a reader who did not
+    guess) prints one line saying so and returns None; the numbers themselves are shown by the chapter's own
+    table or figure, never here first.
+
+    ``my_prediction``, ``measured`` and ``predicted`` may be numbers or dicts of numbers with the same keys
+    (several guesses at once). Returns ``{key: {"yours", "measured", "predicted", "off_measured",
+    "off_predicted"}}`` with ``off_*`` = yours / that value (a ratio; 1.0 is spot on). Raises ValueError for a
+    guess that is not a finite number, or a dict whose keys the run does not have (naming the valid keys)."""
+    import math
+
+    if my_prediction is None:
+        print(f"my_prediction is None: set it before the run to compare your guess for {what}.")
+        return None
+    guesses = my_prediction if isinstance(my_prediction, dict) else {what: my_prediction}
+    meas = measured if isinstance(measured, dict) else {what: measured}
+    pred = predicted if isinstance(predicted, dict) else {what: predicted}
+    unknown = sorted(set(guesses) - set(meas) - set(pred))
+    if unknown:
+        raise ValueError(f"my_prediction has keys {unknown} that this chapter does not measure; valid keys: "
+                         f"{', '.join(sorted(set(meas) | set(pred)))}")
+    out = {}
+    for key, guess in guesses.items():
+        try:
+            g = float(guess)
+        except (TypeError, ValueError):
+            raise ValueError(f"my_prediction[{key!r}]={guess!r} must be a number") from None
+        if not math.isfinite(g):
+            raise ValueError(f"my_prediction[{key!r}]={guess!r} must be a finite number")
+        row = {"yours": g, "measured": meas.get(key), "predicted": pred.get(key)}
+        parts = []
+        for name, label in (("measured", measured_label), ("predicted", predicted_label)):
+            v = row[name]
+            ratio = g / v if v not in (None, 0) else None
+            row[f"off_{name}"] = ratio
+            if ratio is not None:
+                parts.append(f"{ratio:.2f}x the {label} {float(v):.4g}{unit and ' ' + unit}")
+        out[key] = row
+        print(f"{key}: your {g:.4g}{unit and ' ' + unit} is " + " and ".join(parts) if parts else
+              f"{key}: your {g:.4g}{unit and ' ' + unit} (nothing to compare it with in this run)")
+    return out
