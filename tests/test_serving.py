@@ -10,9 +10,12 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import serving as sv
+from labkit.chapters import ch10_serving as ch
+from labkit.experiments import serving as sx
 from labkit.models import TOLERANCES, build_model
+from labkit.parallel import serving as ps
 from labkit.theory import memory as mem
+from labkit.theory import serving as st
 from labkit.theory.spec import get_spec
 
 TOL = TOLERANCES[torch.float32]
@@ -23,17 +26,17 @@ def test_cached_prefill_and_batched_decode_equal_full_forward(name):
     torch.set_num_threads(1)
     model = build_model(name).eval()
     v = model.spec.vocab_size
-    a, b = sv.prompt_tokens(1, 24, v), sv.prompt_tokens(2, 24, v)
+    a, b = ps.prompt_tokens(1, 24, v), ps.prompt_tokens(2, 24, v)
     with torch.inference_mode():
         ref_a, ref_b = model(a[None])[0], model(b[None])[0]
-    eng = sv.Engine(model)
-    ca, cb = eng._alloc(24), eng._alloc(24)
-    torch.testing.assert_close(sv.prefill(model, a[:10], ca), ref_a[9], **TOL)
-    torch.testing.assert_close(sv.prefill(model, b[:15], cb), ref_b[14], **TOL)
+    eng = ps.Engine(model)
+    ca, cb = eng.alloc(24), eng.alloc(24)
+    torch.testing.assert_close(ps.prefill(model, a[:10], ca), ref_a[9], **TOL)
+    torch.testing.assert_close(ps.prefill(model, b[:15], cb), ref_b[14], **TOL)
     # two sequences at different positions in one decode step, then a few more steps
     for k in range(4):
         pa, pb = 10 + k, 15 + k
-        out = sv.decode(model, torch.stack([a[pa], b[pb]]), torch.tensor([pa, pb]), [ca, cb])
+        out = ps.decode(model, torch.stack([a[pa], b[pb]]), torch.tensor([pa, pb]), [ca, cb])
         torch.testing.assert_close(out[0], ref_a[pa], **TOL)
         torch.testing.assert_close(out[1], ref_b[pb], **TOL)
     assert eng.live_kv_bytes() == 2 * mem.kv_cache_bytes(model.spec, 24, "fp32")
@@ -42,7 +45,7 @@ def test_cached_prefill_and_batched_decode_equal_full_forward(name):
 
 
 def _greedy_reference(model, rid, prompt_len, n_new):
-    toks = sv.prompt_tokens(rid, prompt_len, model.spec.vocab_size)
+    toks = ps.prompt_tokens(rid, prompt_len, model.spec.vocab_size)
     out = []
     with torch.inference_mode():
         for _ in range(n_new):
@@ -55,8 +58,8 @@ def _greedy_reference(model, rid, prompt_len, n_new):
 def test_engine_serves_greedy_tokens_and_kv_bytes_match_calculator():
     torch.set_num_threads(1)
     model = build_model("lab-tiny-llama")
-    eng = sv.Engine(model)
-    reqs = sv.make_workload(6, short_prompt=8, long_prompt=40, long_every=3, output_len=5)
+    eng = ps.Engine(model)
+    reqs = sx.make_workload(6, short_prompt=8, long_prompt=40, long_every=3, output_len=5)
     assert [r["kind"] for r in reqs] == ["long", "short", "short", "long", "short", "short"]
     out = eng.serve(reqs, concurrency=3)
     recs = {r["rid"]: r for r in out["records"]}
@@ -74,8 +77,8 @@ def test_engine_serves_greedy_tokens_and_kv_bytes_match_calculator():
 def test_cancel_storm_frees_half_and_a_leak_would_show():
     torch.set_num_threads(1)
     model = build_model("lab-tiny-llama")
-    eng = sv.Engine(model)
-    reqs = sv.make_workload(7, short_prompt=8, long_prompt=24, output_len=6)
+    eng = ps.Engine(model)
+    reqs = sx.make_workload(7, short_prompt=8, long_prompt=24, output_len=6)
     out = eng.serve(reqs, concurrency=5, cancel_step=2)
     c = out["cancel"]
     assert c["in_flight_before"] == 5 and c["cancelled"] == 3  # every other one, rounded up
@@ -84,7 +87,7 @@ def test_cancel_storm_frees_half_and_a_leak_would_show():
     status = pd.Series([r["status"] for r in out["records"]]).value_counts()
     assert status["cancelled"] == 3 and status["ok"] == 4
     assert eng.live_kv_bytes() == 0
-    leaked = eng._alloc(10)  # a reference somebody forgot to drop stays measured
+    leaked = eng.alloc(10)  # a reference somebody forgot to drop stays measured
     assert eng.live_kv_bytes() == mem.kv_cache_bytes(model.spec, 10, "fp32")
     del leaked
     assert eng.live_kv_bytes() == 0
@@ -97,35 +100,37 @@ def test_error_table_counts_by_hand():
     storm = [(0, 1, "ok"), (1, 1, "cancelled"), (2, 1, "ok"), (3, 1, "cancelled")]  # the client's choice
     df = pd.DataFrame([{"experiment": "x", "rid": r, "attempt": a, "status": s} for r, a, s in rows]
                       + [{"experiment": "cancel storm", "rid": r, "attempt": a, "status": s} for r, a, s in storm])
-    t, c = (row for _, row in sv.error_table(df).iterrows())
+    t, c = (row for _, row in sx.error_table(df).iterrows())
     assert (t["requests"], t["attempts"], t["ok"]) == (4, 6, 2)
     assert (t["rank_lost"], t["comm_timeout"], t["cancelled"]) == (1, 2, 1)
     assert t["error_rate"] == pytest.approx(3 / 5)  # server errors / attempts the client did not cancel
     assert t["retried_ok"] == 1 and t["failed_final"] == 1  # rid 2; the cancelled rid 3 is not a failure
     assert (c["cancelled"], c["ok"], c["error_rate"], c["failed_final"]) == (2, 2, 0.0, 0)
-    assert list(sv.error_table(df).columns[3:7]) == ["ok", "cancelled", "rank_lost", "comm_timeout"]
+    assert list(sx.error_table(df).columns[3:7]) == ["ok", "cancelled", "rank_lost", "comm_timeout"]
 
 
 def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match=r"tp=3 does not divide n_heads=8; valid tp: 1, 2, 4, 8"):
-        sv.make_plan(3)
+        sx.make_plan(3)
     with pytest.raises(ValueError, match=r"tp=4 does not divide n_kv_heads=2; valid tp: 1, 2; model 'lab-tiny"):
-        sv.make_plan(4, model="lab-tiny-llama")  # labkit.parallel.tensor would replicate; the KV cache splits
+        sx.make_plan(4, model="lab-tiny-llama")  # labkit.parallel.tensor would replicate; the KV cache splits
     with pytest.raises(ValueError, match=r"concurrency=3 is not a multiple of world_size=2 .* each concurrency "
                                          r"must be a multiple of world_size=2, e\.g\. 2, 4, 6"):
-        sv.make_plan(2, ramp=[3])
-    with pytest.raises(ValueError, match=r"exceeds the model's max_seq_len=128"):
-        sv.make_plan(2, long_prompt=120, output_len=16)
+        sx.make_plan(2, ramp=[3])
+    with pytest.raises(ValueError, match=r"request 0: prompt_len \+ max_new_tokens=136 exceeds model "
+                                         r"'lab-tiny-llama''s max_seq_len=128; use prompt_len "
+                                         r"\+ max_new_tokens <= 128"):
+        sx.make_plan(2, long_prompt=120, output_len=16)
     with pytest.raises(ValueError, match=r"mode='pipeline' is not valid; choose one of: replicas, tp"):
-        sv.make_plan(2, modes=["pipeline"])
+        sx.make_plan(2, modes=["pipeline"])
     with pytest.raises(ValueError, match=r"unknown model preset 'nope'"):
-        sv.make_plan(2, model="nope")
-    assert sv.make_plan(4)["model"] == "lab-small-llama"  # 4 kv heads: TP=4 splits them
+        sx.make_plan(2, model="nope")
+    assert sx.make_plan(4)["model"] == "lab-small-llama"  # 4 kv heads: TP=4 splits them
 
 
 def test_predict_deployments_by_hand():
     spec = get_spec("llama-2-13b")
-    df = sv.predict_deployments("llama-2-13b", gpus=8, gpu="h100-80gb", concurrency=8, prompt_len=1024,
+    df = ch.predict_deployments("llama-2-13b", gpus=8, gpu="h100-80gb", concurrency=8, prompt_len=1024,
                                 output_len=256, mfu=0.5, hbm_efficiency=0.8)
     assert list(df["tp"]) == [1, 2, 4, 8] and list(df["replicas"]) == [8, 4, 2, 1]
     assert (df["source"] == "predicted").all()
@@ -140,11 +145,11 @@ def test_predict_deployments_by_hand():
     assert (df["ttft_s"].diff().dropna() < 0).all()  # prefill splits over tp
     assert (df.loc[df["tp"] > 1, "decode_allreduce_s"] > 0).all()
     with pytest.raises(ValueError, match=r"gpu='b200-180gb' has no peak_bf16_tflops"):
-        sv.predict_deployments(gpu="b200-180gb")
+        ch.predict_deployments(gpu="b200-180gb")
     with pytest.raises(ValueError, match=r"tp=3 does not divide gpus=8"):
-        sv.predict_deployments(tps=[3])
+        ch.predict_deployments(tps=[3])
     with pytest.raises(ValueError, match=r"replicas=8 does not divide concurrency=4"):
-        sv.predict_deployments(tps=[1], concurrency=4)
+        ch.predict_deployments(tps=[1], concurrency=4)
 
 
 GPU_SIZES = {"gpus": 8, "gpu": "h100-80gb", "concurrency": 64, "prompt_len": 1024, "output_len": 256}
@@ -155,36 +160,36 @@ CHAPTER = {"world_size": 2, "model": None, "n_requests": 16, "short_prompt": 16,
 
 
 def test_deployments_that_do_not_fit_carry_no_timing():
-    df = sv.predict_deployments("llama-3-70b", **GPU_SIZES)
+    df = ch.predict_deployments("llama-3-70b", **GPU_SIZES)
     bad, ok = df[~df["fits"]], df[df["fits"]]
     assert list(bad["tp"]) == [1, 2] and list(ok["tp"]) == [4, 8]
     timing = ["ttft_s", "tpot_s", "tps_per_seq", "throughput_tok_s", "decode_allreduce_s", "prefill_allreduce_s"]
     assert bad[timing].isna().all().all() and bad["decode_bound"].isna().all()
     assert bad["note"].str.startswith("does not fit: peak").all() and (ok["note"] == "").all()
     assert ok[timing].notna().all().all()
-    text = " ".join(sv.deployment_findings(df, "llama-3-70b"))
+    text = " ".join(ch.deployment_findings(df, "llama-3-70b"))
     assert "fits at TP4, TP8; not at TP1" in text and "lowest TTFT TP8 x 1" in text, text
     with pytest.raises(ValueError, match="no deployment of llama-3.1-405b fits"):
-        sv.deployment_findings(sv.predict_deployments("llama-3.1-405b", **GPU_SIZES), "llama-3.1-405b")
+        ch.deployment_findings(ch.predict_deployments("llama-3.1-405b", **GPU_SIZES), "llama-3.1-405b")
 
 
 def test_check_chapter_refuses_before_launch(monkeypatch):
     import labkit.runtime.launcher
 
     monkeypatch.setattr(labkit.runtime.launcher, "launch", lambda *a, **k: pytest.fail("launched"))
-    assert sv.check_chapter(**CHAPTER)["model"] == "lab-tiny-llama"
+    assert ch.check_chapter(**CHAPTER)["model"] == "lab-tiny-llama"
     with pytest.raises(ValueError, match=r"big_model='llama-3.1-405b' fits on no deployment of 8 x h100-80gb .* "
                                          r"closest is tp=8 x 1 replica\(s\) at [\d.]+ GiB per GPU > 80.0 GiB, short "
                                          r"by [\d.]+ GiB; what would fit: .*h200-141gb.*smaller model.*more GPUs "
                                          r"alone would not"):
-        sv.check_chapter(**{**CHAPTER, "big_model": "llama-3.1-405b"})
+        ch.check_chapter(**{**CHAPTER, "big_model": "llama-3.1-405b"})
     for name in ("cancel_step", "lose_at_step"):
         with pytest.raises(ValueError, match=rf"{name}=16 must be below output_len=16.*use 1 to 15"):
-            sv.check_chapter(**{**CHAPTER, name: 16})
+            ch.check_chapter(**{**CHAPTER, name: 16})
         with pytest.raises(ValueError, match=rf"{name}=16 must be below output_len=16"):
-            sv.make_plan(2, output_len=16, **{name: 16})  # serving.run goes through make_plan too
+            sx.make_plan(2, output_len=16, **{name: 16})  # serving.run goes through make_plan too
     # one rank: no rank loss to time, so its step is not checked
-    assert "rank_loss" not in sv.make_plan(1, output_len=4, cancel_step=None, lose_at_step=9)
+    assert "rank_loss" not in sx.make_plan(1, output_len=4, cancel_step=None, lose_at_step=9)
 
 
 def test_ramp_findings_follow_the_data():
@@ -196,7 +201,7 @@ def test_ramp_findings_follow_the_data():
     summary = pd.DataFrame([{"mode": m, "concurrency": c, "ttft_p50_s": t, "tps_p50": p50, "tps_p95": p95,
                              "throughput_tok_s": th, "comm_s": cs, "prefill_s": 1.0, "decode_s": 3.0}
                             for m, c, t, p50, p95, th, cs in rows])
-    rep, tp, both = sv.ramp_findings(summary)
+    rep, tp, both = ch.ramp_findings(summary)
     assert "TTFT p50 fell from 0.093 s at concurrency 2 to 0.034 s at 8" in rep, rep
     assert "total throughput rose from 1500 tok/s at concurrency 2 to 2131 tok/s at 4, then fell to 2026 tok/s " \
            "at 8" in rep, rep
@@ -204,13 +209,13 @@ def test_ramp_findings_follow_the_data():
     assert "TTFT p50 rose from 0.100 s at concurrency 2 to 0.200 s at 8" in tp, tp
     assert "below replicas' at concurrency 2, 4 only" in both and "(25%)" in both, both
     with pytest.raises(ValueError, match="summary lacks columns"):
-        sv.ramp_findings(summary.drop(columns="comm_s"))
+        ch.ramp_findings(summary.drop(columns="comm_s"))
 
 
 def test_replicas_vs_tp_and_failures_on_two_ranks():
     """One launch: parity of TP with the whole model, the same greedy tokens from replicas and TP, the
     cancel storm on both replicas, and a lost rank (replicas keep serving; TP fails on a timeout, retries)."""
-    out = sv.run(2, n_requests=6, short_prompt=8, long_prompt=24, long_every=3, output_len=4, ramp=[2, 4],
+    out = sx.run(2, n_requests=6, short_prompt=8, long_prompt=24, long_every=3, output_len=4, ramp=[2, 4],
                  cancel_step=2, lose_at_step=2, detect_timeout_s=1.0, backend="gloo", timeout_s=240)
     p = out["parity"]
     assert p["tp"] == 2 and p["tp_vs_whole_max_abs"] < 1e-4 and p["cached_vs_full_max_abs"] < 1e-4
@@ -222,7 +227,7 @@ def test_replicas_vs_tp_and_failures_on_two_ranks():
     s = out["summary"]
     assert set(zip(s["mode"], s["concurrency"])) == {("replicas", 2), ("replicas", 4), ("tp", 2), ("tp", 4)}
     assert (s.loc[s["mode"] == "tp", "comm_s"] > 0).all() and (s.loc[s["mode"] == "replicas", "comm_s"] == 0).all()
-    want = sv.collectives_per_forward(get_spec("lab-tiny-llama"), 2)  # 2 per layer + embedding; logits gather
+    want = st.collectives_per_forward(get_spec("lab-tiny-llama"), 2)  # 2 per layer + embedding; logits gather
     tp = s[s["mode"] == "tp"]
     assert (tp["decode_all_reduce_per_step"] == want["all_reduce"]).all(), tp  # counted by CommLog
     assert (tp["decode_all_gather_per_step"] == want["all_gather"]).all()
