@@ -1,12 +1,15 @@
 """Serving, predicted: what a TP degree needs of a model for serving, how many collectives one forward pass
-issues, and replicas vs TP for a published model on real GPUs (the analytic deployment model).
+issues, replicas vs TP for a published model on real GPUs (the analytic deployment model), and the request
+rate at which a server saturates (the knee of a request-rate sweep).
 
 Pure Python (no torch, no pandas): memory from :mod:`labkit.theory.memory`, all-reduce time from
-:mod:`labkit.theory.costmodel`, a roofline for prefill and decode. The tables are lists of dicts; chapter
-10 (:mod:`labkit.chapters.ch10_serving`) makes DataFrames of them.
+:mod:`labkit.theory.costmodel`, a roofline for prefill and decode, a utilisation argument for the knee
+(:func:`knee_rate`). The tables are lists of dicts; chapters 10 and 12 make DataFrames of them.
 """
 
 from __future__ import annotations
+
+import math
 
 from labkit.checks import check_divides, divisors, positive_float, positive_int
 from labkit.theory import costmodel as cm
@@ -59,7 +62,9 @@ def deployment_rows(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8, gp
       batch / tpot;
     * ``ttft_s`` — prefill of one prompt alone on an idle replica (no queueing): the larger of its FLOPs
       (``prompt × flops_per_token(prompt, inference) / tp`` at ``peak × mfu``) and one read of the weights,
-      plus 2 all-reduces per layer of ``prompt × hidden × 2`` bytes.
+      plus 2 all-reduces per layer of ``prompt × hidden × 2`` bytes;
+    * ``knee_rps`` — :func:`knee_rate` with that prefill and decode step: the request rate past which the
+      queue grows (requests of ``prompt_len`` + ``output_len`` tokens, ``batch_per_replica`` in flight).
 
     ``mfu`` and ``hbm_efficiency`` are assumptions (keys ``assumed_mfu``, ``assumed_hbm_efficiency``);
     the GPU's peak, HBM bandwidth and NVLink come from data/hardware.yaml. ``tps`` defaults to every divisor
@@ -121,6 +126,8 @@ def deployment_rows(model: str | ModelSpec = "llama-2-13b", *, gpus: int = 8, gp
         ttft = max(pre_flop, weights / hbm) + pre_comm
         timing = {"ttft_s": ttft, "tpot_s": tpot, "tps_per_seq": 1 / tpot,
                   "throughput_tok_s": replicas * batch / tpot,
+                  "knee_rps": knee_rate(prefill_s=ttft, decode_step_s=tpot, concurrency=batch,
+                                        new_tokens=output_len, instances=replicas),
                   "decode_bound": "memory" if t_mem >= t_flop else "compute",
                   "decode_allreduce_s": comm, "prefill_allreduce_s": pre_comm}
         note = ""
@@ -144,3 +151,66 @@ def any_fits(model, *, gpus: int, gpu: str, **sizes) -> bool:
         return any(r["fits"] for r in deployment_rows(model, gpus=gpus, gpu=gpu, **sizes))
     except ValueError:
         return False
+
+
+# ------------------------------------------------------------------------------------------------------
+# load: where the queue starts to grow
+# ------------------------------------------------------------------------------------------------------
+def fit_line(xs, ys) -> tuple[float, float]:
+    """Least-squares ``y = a + b·x`` through the points; returns (a, b). One distinct x: a flat line
+    through their mean. Raises ValueError for no points or unequal lengths."""
+    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
+    if not xs or len(xs) != len(ys):
+        raise ValueError(f"fit_line needs as many y as x values, at least one (got {len(xs)} x, {len(ys)} y)")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    return my - b * mx, b
+
+
+def knee_rate(*, prefill_s: float, decode_step_s: float, concurrency: int, new_tokens: float,
+              instances: int = 1) -> float:
+    """*Predicted* request rate (requests/s) at which a prefill-first, continuously batching server saturates:
+    above it the queue grows without bound, below it stays bounded (stable iff utilisation < 1; Kleinrock
+    1975, "Queueing Systems", Vol. 1, Sec. 1.4).
+
+    At saturation every one of ``instances`` instances keeps ``concurrency`` requests in flight. Per second
+    it spends ``λ·prefill_s`` on prefills (each request's first token comes from its prefill), the rest on
+    decode steps of ``concurrency`` tokens, each ``decode_step_s`` long; each request needs ``new_tokens -
+    1`` decode tokens: ``λ (new_tokens - 1) = concurrency (1 - λ prefill_s) / decode_step_s``, so
+
+        λ* = instances · concurrency / ((new_tokens - 1) · decode_step_s + concurrency · prefill_s)
+
+    ``prefill_s``: the mean prefill time of one request of the workload; ``decode_step_s``: one decode step
+    at batch ``concurrency``; ``new_tokens``: the mean tokens a request gets (>= 1). Raises ValueError for
+    non-positive times or sizes."""
+    pre, dec = positive_float("prefill_s", prefill_s), positive_float("decode_step_s", decode_step_s)
+    c, n = positive_int("concurrency", concurrency), positive_float("new_tokens", new_tokens)
+    if n < 1:
+        raise ValueError(f"new_tokens={new_tokens} must be >= 1 (the first token comes from the prefill)")
+    return positive_int("instances", instances) * c / ((n - 1) * dec + c * pre)
+
+
+def fixed_step_s(tokens: int, *, step_s: float, token_s: float) -> float:
+    """A *fixed compute* cost model of one forward pass: ``step_s + token_s · tokens`` seconds (a fixed
+    cost per pass — kernel launches, weight reads — plus a cost per token in it). Raises ValueError for
+    negative arguments."""
+    return positive_float("step_s", step_s) + positive_float("token_s", token_s, allow_zero=True) * \
+        positive_int("tokens", tokens, minimum=0)
+
+
+def queue_growth_rps(rate_rps: float, knee_rps: float) -> float:
+    """*Predicted* growth of the queue (requests/s) at offered ``rate_rps``: ``max(0, rate - knee)`` — past
+    the knee every extra request per second waits, and the wait grows with time."""
+    return max(0.0, positive_float("rate_rps", rate_rps) - positive_float("knee_rps", knee_rps))
+
+
+def replicas_needed(rate_rps: float, knee_per_replica_rps: float, *, utilisation: float = 0.8) -> int:
+    """Replicas to serve ``rate_rps`` with each at most ``utilisation`` of its knee (headroom for bursts):
+    ``ceil(rate / (utilisation · knee))``. The sizing rule behind "scale up when TTFT p95 rises and
+    throughput flattens at constant traffic". Raises ValueError for a utilisation outside (0, 1]."""
+    u = positive_float("utilisation", utilisation)
+    if u > 1:
+        raise ValueError(f"utilisation={utilisation} must be in (0, 1]: the share of a replica's knee to use")
+    return max(1, math.ceil(positive_float("rate_rps", rate_rps) / (u * positive_float("knee_per_replica_rps",
+                                                                                        knee_per_replica_rps))))
