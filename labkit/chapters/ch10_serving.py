@@ -137,11 +137,12 @@ def ramp_findings(summary: pd.DataFrame) -> list[str]:
     """What *this* run measured along the concurrency ramp, as sentences computed from
     :func:`~labkit.experiments.serving.summarize`'s table (so the chapter's prose cannot contradict its
     data): per mode, how TTFT p50, TPS p50 per request and total throughput moved with concurrency (each
-    change of direction named), how far TPS p95 sat below p50 at the top concurrency; TP against replicas on
+    change of direction named), how far TPS p5 (the slow tail) sat below p50 at the top concurrency; TP
+    against replicas on
     throughput at each concurrency, and the share of TP rank 0's prefill + decode time spent inside
     collectives. Every number is *measured*. Raises ValueError for a table without the columns of
     summarize."""
-    need = {"mode", "concurrency", "ttft_p50_s", "tps_p50", "tps_p95", "throughput_tok_s", "comm_s", "prefill_s",
+    need = {"mode", "concurrency", "ttft_p50_s", "tps_p50", "tps_p5", "throughput_tok_s", "comm_s", "prefill_s",
             "decode_s"}
     missing = sorted(need - set(summary.columns))
     if missing:
@@ -155,8 +156,8 @@ def ramp_findings(summary: pd.DataFrame) -> list[str]:
             _trend("TTFT p50", c, list(g["ttft_p50_s"]), ".3f", "s"),
             _trend("TPS p50 per request", c, list(g["tps_p50"]), ".1f", "tok/s"),
             _trend("total throughput", c, list(g["throughput_tok_s"]), ".0f", "tok/s")])
-            + f"; at concurrency {top['concurrency']} TPS p95 was {top['tps_p95'] / top['tps_p50']:.0%} of p50 "
-              "(measured).")
+            + f"; at concurrency {top['concurrency']} TPS p5 (the slowest 5 %) was "
+              f"{top['tps_p5'] / top['tps_p50']:.0%} of p50 (measured).")
     modes = set(summary["mode"])
     if {"replicas", "tp"} <= modes:
         both = summary.pivot_table(index="concurrency", columns="mode", values="throughput_tok_s")

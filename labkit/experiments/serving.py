@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks import check_choice, positive_float, positive_int
+from labkit.experiments.serving_metrics import latency_columns, pct
 from labkit.models import Transformer, build_model
 from labkit.parallel.serving import (
     CLIENT_OUTCOMES,
     ERROR_TYPES,
+    RETRIED_OUTCOMES,
     Engine,
     RankLost,
     check_requests,
@@ -75,14 +77,14 @@ def build(plan: dict) -> Transformer:
                        attention=plan.get("attention", "sdpa"))
 
 
-def replica_engine(ctx, plan: dict, full: Transformer) -> Engine:
-    """An engine on this rank's whole model (a replica), its events on ``ctx.timeline``."""
-    return Engine(full, ctx=ctx, seed=plan.get("seed", 0))
+def replica_engine(ctx, plan: dict, full: Transformer, **kw) -> Engine:
+    """An engine on this rank's whole model (a replica), its events on ``ctx.timeline`` (``kw``: Engine's)."""
+    return Engine(full, ctx=ctx, seed=plan.get("seed", 0), **kw)
 
 
-def tp_engine(ctx, plan: dict, full: Transformer, group) -> Engine:
+def tp_engine(ctx, plan: dict, full: Transformer, group, **kw) -> Engine:
     """An engine on this rank's TP shard of a copy of ``full``, every collective counted by a CommLog."""
-    return Engine(shard_tp(copy.deepcopy(full), group), ctx=ctx, seed=plan.get("seed", 0), commlog=CommLog)
+    return Engine(shard_tp(copy.deepcopy(full), group), ctx=ctx, seed=plan.get("seed", 0), commlog=CommLog, **kw)
 
 
 def gather(obj):
@@ -374,21 +376,17 @@ def run(world_size: int = 2, *, backend: str = "auto", timeout_s: float = 300.0,
     return out
 
 
-def _q(s: pd.Series, q: float) -> float:
-    s = s.dropna()
-    return float(s.quantile(q)) if len(s) else float("nan")
-
-
 def _per(per_rank: list[dict], key: str, denom: str) -> float:
     n = sum(g[denom] for g in per_rank)
     return sum(g["comm_calls"].get(key, 0) for g in per_rank) / n if n else float("nan")
 
 
 def summarize(runs: list[dict]) -> pd.DataFrame:
-    """One row per (mode, concurrency) run, all *measured*: requests, ``ttft_p50_s``/``ttft_p95_s`` (time
-    to first token, from arrival), the same for short and long prompts, ``tps_p50``/``tps_p95`` (decode
-    tokens per second of one request; higher is better, so p95 is the rate 95 % of requests reach or beat:
-    the 5th percentile of TPS, the 95th of time per output token), ``throughput_tok_s`` (every generated
+    """One row per (mode, concurrency) run, all *measured*: requests, TTFT (time to first token, from
+    arrival), TPOT (time per output token) and ITL (inter-token latency) p50/p95/p99, TTFT p50 for short and
+    long prompts, ``tps_p5``/``tps_p50``/``tps_p95`` (decode tokens per second of one request, each the
+    percentile it names: higher is better, so the slow tail is ``tps_p5``; :mod:`labkit.experiments.
+    serving_metrics`), ``throughput_tok_s`` (every generated
     token / the slowest instance's wall time), ``prefill_s``/``decode_s`` (compute time summed over serving
     instances: every replica, or rank 0 of the TP group), ``prefill_fraction``, ``comm_s`` (TP: time inside
     collectives on rank 0), and the collectives counted per forward pass (TP; compare
@@ -403,13 +401,13 @@ def summarize(runs: list[dict]) -> pd.DataFrame:
         wall = max(g["wall_s"] for g in run_["per_rank"])
         pre = sum(g["prefill_s"] for g in per_rank)
         dec = sum(g["decode_s"] for g in per_rank)
+        lat = latency_columns(ok)
         rows.append({
             "mode": mode, "concurrency": run_["concurrency"], "requests": len(recs), "ok": len(ok),
-            "ttft_p50_s": _q(ok["ttft_s"], 0.5), "ttft_p95_s": _q(ok["ttft_s"], 0.95),
-            "ttft_p50_short_s": _q(ok.loc[ok["kind"] == "short", "ttft_s"], 0.5),
-            "ttft_p50_long_s": _q(ok.loc[ok["kind"] == "long", "ttft_s"], 0.5),
-            "tps_p50": _q(ok["tps"], 0.5), "tps_p95": _q(ok["tps"], 0.05),
-            "e2e_p50_s": _q(ok["e2e_s"], 0.5), "throughput_tok_s": ok["new_tokens"].sum() / wall,
+            **{k: v for k, v in lat.items() if k.startswith(("ttft", "tpot", "itl", "tps"))},
+            "ttft_p50_short_s": pct(ok.loc[ok["kind"] == "short", "ttft_s"], 50),
+            "ttft_p50_long_s": pct(ok.loc[ok["kind"] == "long", "ttft_s"], 50),
+            "e2e_p50_s": pct(ok["e2e_s"], 50), "throughput_tok_s": ok["new_tokens"].sum() / wall,
             "wall_s": wall, "prefill_s": pre, "decode_s": dec, "prefill_fraction": pre / (pre + dec),
             "comm_s": sum(g["comm_s"] for g in per_rank),
             "decode_all_reduce_per_step": _per(per_rank, "decode_all_reduce", "steps"),
@@ -421,9 +419,11 @@ def summarize(runs: list[dict]) -> pd.DataFrame:
 
 def error_table(records: pd.DataFrame) -> pd.DataFrame:
     """Per experiment, *measured* counts: ``requests`` (distinct rids), ``attempts``, how many attempts ended
-    ``ok``, ``cancelled`` (by the client: :data:`CLIENT_OUTCOMES`, not a failure) or with each server error of
-    :data:`ERROR_TYPES`; ``error_rate`` = attempts that failed with a server error / attempts the client did not
-    cancel (NaN when the client cancelled every attempt); ``retried_ok`` (requests that failed first and
+    ``ok``, ``cancelled`` (by the client: :data:`CLIENT_OUTCOMES`, not a failure), with each server error of
+    :data:`ERROR_TYPES`, or ``preempted`` (stopped by the server and queued again, as a hot swap's
+    ``drain="requeue"`` does: :data:`RETRIED_OUTCOMES`, not a failure); ``error_rate`` = attempts that
+    failed with a server error / attempts the client did not cancel (NaN when the client cancelled every
+    attempt); ``retried_ok`` (requests that failed first and
     succeeded on a retry); ``failed_final`` (requests whose last attempt failed with a server error: never
     served, though the client still wanted them; a cancelled request is not one)."""
     rows = []
@@ -436,6 +436,7 @@ def error_table(records: pd.DataFrame) -> pd.DataFrame:
         rows.append({"experiment": exp, "requests": g["rid"].nunique(), "attempts": len(g),
                      "ok": int(counts.get("ok", 0)), **{t: int(counts.get(t, 0)) for t in CLIENT_OUTCOMES},
                      **{t: int(counts.get(t, 0)) for t in ERROR_TYPES},
+                     **{t: int(counts.get(t, 0)) for t in RETRIED_OUTCOMES},
                      "error_rate": float(failed.sum() / wanted.sum()) if wanted.any() else float("nan"),
                      "retried_ok": int(((last["status"] == "ok") & last["rid"].isin(first_bad)).sum()),
                      "failed_final": int(last["status"].isin(ERROR_TYPES).sum()), "source": "measured"})
