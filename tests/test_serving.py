@@ -505,10 +505,10 @@ def test_chapter_12_refuses_before_launch(monkeypatch):
     import labkit.runtime.launcher
 
     monkeypatch.setattr(labkit.runtime.launcher, "launch", lambda *a, **k: pytest.fail("launched"))
-    params = {"world_size": 2, "model": None, "concurrency": None, "rate_factors": (0.5, 1.0, 3.0), "n_requests": 32,
+    params = {"world_size": 2, "model": None, "concurrency": None, "rate_factors": (0.5, 1.0, 3.0), "n_requests": 24,
               "arrival": "poisson", "trace": None, "short_prompt": (8, 24), "long_prompt": (64, 96),
               "long_fraction": 0.25, "output_len": (4, 12), "max_tokens": None, "policy_model": "lab-small-llama",
-              "token_budget": 32, "swap_to": "int8", "swap_drain": "finish", "quality_train_steps": 20,
+              "token_budget": 16, "swap_to": "int8", "swap_drain": "finish", "quality_train_steps": 20,
               "backend": "auto", "big_model": "llama-2-13b", "gpus": 8, "gpu": "h100-80gb", "concurrency_gpu": 64,
               "prompt_len_gpu": 1024, "output_len_gpu": 256, "target_rate_gpu": 100.0, "my_prediction": None}
     assert ch12.check_chapter(**params)["model"] == "lab-tiny-llama"

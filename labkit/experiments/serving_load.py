@@ -37,11 +37,11 @@ WEIGHT_DTYPES = ("fp32", "int8", "int4")
 # the plan: everything checked before a launch
 # ------------------------------------------------------------------------------------------------------
 def make_load_plan(world_size: int, *, model: str | None = None, concurrency: int | None = None,
-                   modes=MODES, rates=None, rate_factors=(0.5, 1.0, 3.0), n_requests: int = 32,
+                   modes=MODES, rates=None, rate_factors=(0.5, 1.0, 3.0), n_requests: int = 24,
                    arrival: str = "poisson", trace: str | None = None, burst_size: int = 4,
                    short_prompt=(8, 24), long_prompt=(64, 96), long_fraction: float = 0.25, output_len=(4, 12),
                    max_tokens: int | None = None, policies: bool = True, policy_model: str = "lab-small-llama",
-                   token_budget: int = 32, policy_workload: dict | None = None, policy_rate_factor: float = 0.7,
+                   token_budget: int = 16, policy_workload: dict | None = None, policy_rate_factor: float = 0.7,
                    policy_rounds: int = 1,
                    swap_to: str | None = "int8", swap_after: float = 0.4, swap_drain: str = "finish",
                    swap_cancel: bool = True, swap_rate_factor: float = 0.5, quant: bool = True,
@@ -100,8 +100,8 @@ def make_load_plan(world_size: int, *, model: str | None = None, concurrency: in
     plan = {"model": model, "seed": seed, "world_size": world_size, "modes": modes, "concurrency": conc,
             "load": load, "sweep": sweep}
     if policies:
-        pw = {"short_prompt": (8, 16), "long_prompt": (112, 160), "long_fraction": 0.3, "output_len": (8, 8),
-              "n_requests": 12, **(policy_workload or {})}
+        pw = {"short_prompt": (8, 16), "long_prompt": (160, 224), "long_fraction": 0.3, "output_len": (8, 8),
+              "n_requests": 24, **(policy_workload or {})}
         pspec = get_spec(policy_model)
         wl.open_loop_workload(positive_int("policy n_requests", pw["n_requests"]), 1.0, **_lengths(pw),
                               max_seq_len=pspec.max_seq_len)
