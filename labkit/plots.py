@@ -415,7 +415,8 @@ def scaling_time_figure(df: pd.DataFrame, title: str | None = None) -> go.Figure
 
 # ======================================================================================================
 # Published references (data/reference/published, labkit.runtime.records.load_published)
-# ======================================================================================================
+# ===============================================================================================
+
 _SYMBOLS = ("diamond", "square", "triangle-up", "cross", "star", "triangle-down", "pentagon", "hexagon", "x")
 
 
@@ -567,6 +568,62 @@ def wide_table(df: pd.DataFrame, key: list[str] | None = None, *, max_columns: i
     if missing:
         raise ValueError(f"key columns {missing} are not columns of the table; columns: {', '.join(map(str, cols))}")
     return WideTable(df, key, caption)
+
+
+# ======================================================================================================
+# Serving under load (chapter 12) — labkit.parallel.serving.Engine's time series
+# ======================================================================================================
+def serving_dashboard_figure(series: pd.DataFrame, title: str | None = None, by: str = "instance") -> go.Figure:
+    """A server's own monitoring over time, from the engine's series (one row per step and event,
+    :class:`labkit.parallel.serving.Engine`; labelled frames from
+    :func:`labkit.experiments.serving_metrics.series_frame`), one colour per value of ``by``: queue length,
+    requests in flight (solid) and of them prefilling (dotted), tokens per step (prefill + decode), KV cache
+    bytes reserved (measured: live cache tensors, solid; predicted: the calculator, dashed) and written
+    (dotted), outcomes so far by type, and the time each forward pass took. All *measured* except the
+    predicted KV line; vertical lines mark drains, swaps and cancel storms."""
+    from plotly.subplots import make_subplots
+
+    titles = ("queue length (requests waiting)", "in flight (dotted: prefilling)", "tokens per step",
+              "KV cache bytes: reserved measured / predicted (dashed), written (dotted)",
+              "outcomes so far, by type", "forward pass time (ms)")
+    fig = make_subplots(rows=3, cols=2, subplot_titles=titles, vertical_spacing=0.09, horizontal_spacing=0.08)
+    keys = list(dict.fromkeys(series[by])) if by in series else [0]
+    colors = _colors(keys)
+    outcome_cols = [c for c in series.columns if c.startswith("n_") and series[c].max() > 0]
+    dashes = ("solid", "dash", "dot", "dashdot", "longdash")
+    shapes = []
+    for key in keys:
+        g = series[series[by] == key] if by in series else series
+        c, name = colors[key], f"{by} {key}"
+
+        def line(y, row, col, dash="solid", label="", show=False, g=g, c=c, name=name, key=key):
+            fig.add_trace(go.Scatter(x=g["t_s"], y=y, mode="lines", line={"color": c, "dash": dash}, line_shape="hv",
+                                     name=f"{name}{label}", legendgroup=str(key), showlegend=show), row=row, col=col)
+
+        line(g["queue"], 1, 1, show=True)
+        line(g["in_flight"], 1, 2)
+        line(g["prefilling"], 1, 2, "dot", ": prefilling")
+        steps = g[g["event"].isin(["step", "admit"])]
+        fig.add_trace(go.Scatter(x=steps["t_s"], y=steps["tokens"], mode="markers", marker={"color": c, "size": 4},
+                                 name=f"{name}: tokens", legendgroup=str(key), showlegend=False), row=2, col=1)
+        line(g["kv_bytes_measured"], 2, 2)
+        line(g["kv_bytes_predicted"], 2, 2, "dash", ": predicted")
+        line(g["kv_bytes_used"], 2, 2, "dot", ": written")
+        for i, col in enumerate(outcome_cols):
+            line(g[col], 3, 1, dashes[i % len(dashes)], f": {col[2:]}", show=True)
+        fig.add_trace(go.Scatter(x=steps["t_s"], y=steps["step_s"] * 1e3, mode="markers",
+                                 marker={"color": c, "size": 4}, name=f"{name}: step", legendgroup=str(key),
+                                 showlegend=False), row=3, col=2)
+        for ev, color in (("drain", "#999"), ("swap", "#2ca02c"), ("cancel", "#d62728")):
+            for t in g.loc[g["event"] == ev, "t_s"]:  # one shape per panel (add_vline per panel is slow)
+                shapes += [{"type": "line", "x0": t, "x1": t, "y0": 0, "y1": 1, "xref": f"x{i}",
+                            "yref": f"y{i} domain", "line": {"color": color, "dash": "dot", "width": 1}}
+                           for i in ("", "2", "4", "5")]
+    fig.update_xaxes(title="time since the run started (s)", row=3)
+    fig.update_layout(shapes=shapes)
+    fig.update_layout(title=title or "the server's own monitoring (measured)", height=820,
+                      legend={"font": {"size": 10}})
+    return fig
 
 
 install_defaults()

@@ -145,7 +145,9 @@ def test_first_code_cell_refuses_a_bad_world_size_before_any_launch(path, monkey
 # chapter -> (module the exercise cell uses, its alias, the answer variable, the reference variable)
 EXERCISES = {"02_collectives": ("labkit.theory.costmodel", "cm", "answer_bytes", "reference_bytes"),
              "07_context_parallel": ("labkit.theory.context", "cpt", "answer", "reference"),
-             "08_expert_parallel": ("labkit.theory.expert", "ept", "answer", "reference")}
+             "08_expert_parallel": ("labkit.theory.expert", "ept", "answer", "reference"),
+             "12_serving_under_load": ("labkit.chapters.ch12_serving_under_load", "ch", "answer_rate",
+                                       "reference_rate")}
 
 
 @pytest.mark.parametrize("name", sorted(EXERCISES))

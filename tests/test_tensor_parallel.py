@@ -118,8 +118,8 @@ def test_theory_per_layer_and_sp_bytes():
 
 
 def test_serving_counts_and_rules_come_from_the_one_theory():
-    """labkit.serving asks labkit.theory.tensor for its TP rule and its collective count (one copy of each)."""
-    from labkit import serving as sv
+    """labkit.theory.serving asks labkit.theory.tensor for its TP rule and its collective count (one copy each)."""
+    from labkit.theory import serving as sv
 
     llama = get_spec("lab-tiny-llama")
     want = {"all_reduce": 2 * llama.n_layers + 1, "all_gather": 1}  # g per block + the embedding; logits gathered

@@ -49,7 +49,7 @@ def check_tp(spec: ModelSpec | str, tp: int, *, pad_vocab: bool = False, sequenc
     replicated, when ``sequence_parallel`` and tp does not divide ``seq_len``, when dropout > 0 (needs a
     per-region RNG, not implemented), and for the DTensor variant (``dtensor=True``) when the kv heads would
     need replicating, the embeddings are tied, or SP meets learned positions. ``kv_cache=True`` (serving,
-    :mod:`labkit.serving`): tp must divide n_kv_heads, since every rank keeps its own kv heads' cache, as
+    :mod:`labkit.parallel.serving`): tp must divide n_kv_heads, since every rank keeps its own kv heads' cache, as
     :func:`labkit.theory.memory.kv_cache_bytes` counts it (replicated kv heads are not served).
     """
     if isinstance(spec, str):
