@@ -179,7 +179,7 @@ def test_check_chapter_refuses_before_launch(monkeypatch):
     monkeypatch.setattr(labkit.runtime.launcher, "launch", lambda *a, **k: pytest.fail("launched"))
     assert ch.check_chapter(**CHAPTER)["model"] == "lab-tiny-llama"
     with pytest.raises(ValueError, match=r"big_model='llama-3.1-405b' fits on no deployment of 8 x h100-80gb .* "
-                                         r"closest is tp=8 x 1 replica\(s\) at [\d.]+ GiB per GPU > 80.0 GiB, short "
+                                         r"closest is tp=8 x 1 replica\(s\) at [\d.]+ GiB per GPU > 79.2 GiB, short "
                                          r"by [\d.]+ GiB; what would fit: .*h200-141gb.*smaller model.*more GPUs "
                                          r"alone would not"):
         ch.check_chapter(**{**CHAPTER, "big_model": "llama-3.1-405b"})
