@@ -4,8 +4,9 @@ Two kinds of modules (see DESIGN.md):
 
 * predict — pure Python, no torch import: ``labkit.theory.spec``, ``labkit.theory.memory``, ``labkit.theory.costmodel``,
   ``labkit.theory.simulate``, ``labkit.theory.mesh``, ``labkit.theory.planner``, ``labkit.runtime.timeline``.
-* run / measure — ``labkit.launch`` (the only way to start ranks), ``labkit.runtime.rank``, ``labkit.runtime.records``,
-  ``labkit.models``, ``labkit.runtime.measure``, ``labkit.collectives``, ``labkit.parallel``.
+* run / measure — ``labkit.launch`` (the only way to start ranks; ``labkit.Pool`` keeps them warm),
+  ``labkit.runtime.rank``, ``labkit.runtime.records``, ``labkit.models``, ``labkit.runtime.measure``,
+  ``labkit.collectives``, ``labkit.parallel``.
 
 ``from labkit import launch`` is resolved lazily so that importing a predict module never imports torch.
 """
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "launch": ("labkit.runtime.launcher", "launch"),
+    "Pool": ("labkit.runtime.pool", "Pool"),
     "LaunchError": ("labkit.runtime.launcher", "LaunchError"),
     "RankFailed": ("labkit.runtime.launcher", "RankFailed"),
     "LaunchTimeout": ("labkit.runtime.launcher", "LaunchTimeout"),
