@@ -471,3 +471,49 @@ def test_no_orphans_when_the_holder_of_a_pool_dies_or_exits(tmp_path, how):
     assert not run_dirs[0].exists()
     if how == "exit":
         assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+_KERNEL_CELL = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {tests!r})
+    import labkit
+    from test_pool import leave_child
+    labkit.launch(leave_child, 2, {pid_dir!r}, keep_warm=True, echo=False)
+    pool = labkit.runtime.pool.shared_pool(2)
+    print(json.dumps({{"ranks": pool.pids(), "kernel": os.getpid()}}))
+""")
+
+
+def test_kernel_shutdown_closes_the_shared_pool(tmp_path):
+    """A real Jupyter kernel holds a keep_warm pool; shutting the kernel down (as a notebook's 'Shut Down' or
+    the end of `labkit run`) leaves no rank, no daemon a rank started, and no temporary folder."""
+    manager = pytest.importorskip("jupyter_client.manager")
+    km, kc = manager.start_new_kernel(kernel_name="python3", env=dict(os.environ, PYTHONPATH=str(REPO)))
+    out = []
+    try:
+        reply = kc.execute_interactive(_KERNEL_CELL.format(tests=str(REPO / "tests"), pid_dir=str(tmp_path)),
+                                       timeout=180, output_hook=lambda m: out.append(m["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        info = json.loads("".join(out).strip().splitlines()[-1])
+        kernel = psutil.Process(info["kernel"])
+        tree = [p.pid for p in kernel.children(recursive=True)]
+        kids = [p for f in tmp_path.glob("*.json") for p in json.loads(f.read_text())]
+        run_dirs = list(Path(tempfile.gettempdir()).glob(f"labkit-launch-{info['kernel']}-*"))
+        assert len(info["ranks"]) == 2 and len(kids) == 2 and len(run_dirs) == 1
+    finally:
+        proc = getattr(km.provisioner, "process", None)
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)  # a shutdown request: the kernel exits through its exit hooks
+    if proc is not None:
+        assert proc.wait(timeout=10) == 0, "the kernel was killed, not shut down: its exit hooks did not run"
+    deadline = time.monotonic() + 10
+    everything = [*info["ranks"], *kids, *tree]
+    while time.monotonic() < deadline:
+        alive = [p for p in everything if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        if not alive and not run_dirs[0].exists():
+            break
+        time.sleep(0.1)
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"left after the kernel shut down: {alive}"
+    assert not run_dirs[0].exists()
