@@ -101,8 +101,12 @@ class Pool:
             old.close()
         _install_exit_hook()
         if start:
-            with self._lock:
-                self._start()
+            try:
+                with self._lock:
+                    self._start()
+            except BaseException:
+                self.close()
+                raise
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._ranks is not None else "idle")
