@@ -1,8 +1,9 @@
 """labkit: the LLM Parallelism Lab's library.
 
 Rooms (docs/architecture.md): ``labkit.parallel`` (the strategies), ``labkit.theory`` (predictions: pure
-Python, no torch), ``labkit.runtime`` (``launch`` and measuring), ``labkit.experiments`` (rank functions),
-``labkit.chapters`` (one module per chapter notebook), and the views (plots, widgets, notebooks, cli).
+Python, no torch), ``labkit.runtime`` (``launch``, a ``Pool`` of warm ranks, and measuring),
+``labkit.experiments`` (rank functions), ``labkit.chapters`` (one module per chapter notebook), and the views
+(plots, widgets, notebooks, cli).
 
 ``from labkit import launch`` is resolved lazily so that importing a predict module never imports torch.
 """
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "launch": ("labkit.runtime.launcher", "launch"),
+    "Pool": ("labkit.runtime.pool", "Pool"),
     "LaunchError": ("labkit.runtime.launcher", "LaunchError"),
     "RankFailed": ("labkit.runtime.launcher", "RankFailed"),
     "LaunchTimeout": ("labkit.runtime.launcher", "LaunchTimeout"),

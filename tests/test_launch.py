@@ -366,3 +366,24 @@ def test_nccl_world_size_one_on_gpu():
     res = launch(report, 1, 3, backend="auto", echo=False)
     assert res.backend == "nccl" and res[0]["device"] == "cuda:0" and res[0]["sum"] == 1.0
     assert len(res.timeline) == 2
+
+
+def test_launch_result_timeline_is_built_when_first_read_and_pickles():
+    import pickle
+
+    from labkit.runtime.launcher import LaunchResult
+
+    built = []
+
+    def make():
+        built.append(1)
+        return pd.DataFrame({"rank": [0]})
+
+    res = LaunchResult([1, 2], make, 2, "gloo", 0.1)
+    assert built == []  # a warm run that never reads its timeline never builds it
+    assert res.timeline is res.timeline and built == [1]
+    back = pickle.loads(pickle.dumps(LaunchResult([1], make, 1, "gloo", 0.1)))
+    assert list(back) == [1] and back.timeline.equals(pd.DataFrame({"rank": [0]})) and back.world_size == 1
+    old = LaunchResult.__new__(LaunchResult)  # pickled before the timeline became lazy: state has "timeline"
+    old.__setstate__({"timeline": "df", "world_size": 1, "backend": "gloo", "wall_s": 0.0})
+    assert old.timeline == "df"

@@ -17,7 +17,7 @@ Hardening (tests/test_hardening.py): every rank is started by a per-launch super
 kills each rank's whole session and every process a rank started on every exit path, including the
 caller's death; the rendezvous store and the backends listen on loopback only (rendezvous.py); ranks import
 nothing from the working directory (safepath.py); more ranks than host memory holds are refused before
-anything starts (limits.py); a rank SIGKILLed by the OOM killer is named so.
+anything starts (limits.py); a rank SIGKILLed by the OOM killer is named so. Warm ranks: pool.py.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -85,14 +86,35 @@ class LaunchResult(list):
       :class:`labkit.runtime.emulate.Emulation`: profile, label, per-rank totals); None otherwise.
     """
 
-    def __init__(self, results, timeline: pd.DataFrame, world_size: int, backend: str, wall_s: float):
+    def __init__(self, results, timeline, world_size: int, backend: str, wall_s: float):
         super().__init__(results)
-        self.timeline = timeline
+        self._timeline = timeline  # a DataFrame, or a function that makes it when first read (warm runs stay fast)
         self.world_size = world_size
         self.backend = backend
         self.wall_s = wall_s
         self.emulated: pd.DataFrame | None = None
         self.emulation = None
+
+    @property
+    def timeline(self) -> pd.DataFrame:
+        if callable(self._timeline):
+            self._timeline = self._timeline()
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, df: pd.DataFrame) -> None:
+        self._timeline = df
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_timeline"] = self.timeline
+        return state
+
+    def __setstate__(self, state):
+        if "timeline" in state:  # pickled before the timeline became lazy
+            state = dict(state)
+            state["_timeline"] = state.pop("timeline")
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return (f"LaunchResult(world_size={self.world_size}, backend={self.backend!r}, "
@@ -207,8 +229,10 @@ def ship(fn, args: tuple, kwargs: dict) -> bytes:
 
 def _ship(fn, args: tuple, kwargs: dict) -> bytes:
     payload = {"fn": fn, "args": tuple(args), "kwargs": dict(kwargs)}
-    if _pickle_error(payload) is None:
-        return cloudpickle.dumps(payload)
+    try:
+        return cloudpickle.dumps(payload)  # once: pickling a by-value function scans sys.modules (~10 ms)
+    except Exception:  # noqa: BLE001 - any pickling failure: find the piece to name below
+        pass
     found = (_find_unpicklable(fn, "fn") or _find_unpicklable(tuple(args), "args")
              or _find_unpicklable(dict(kwargs), "kwargs"))
     if found is None:  # the parts pickle one by one but not together: report the whole
@@ -284,7 +308,8 @@ class RankSet:
     """``world_size`` started ranks with their process group, running one job after another (a cold launch
     runs one; a :class:`~labkit.runtime.pool.Pool` many). Internal: use :func:`launch` or ``Pool``."""
 
-    def __init__(self, world_size: int, backend: str, timeout_s: float, threads: int, echo: bool):
+    def __init__(self, world_size: int, backend: str, timeout_s: float, threads: int, echo: bool, *,
+                 warm: bool = False):
         from labkit.runtime.limits import oom_kill_counts
         from labkit.runtime.probes import process_start_ticks
         from labkit.runtime.procs import RankProcs
@@ -299,7 +324,7 @@ class RankSet:
         try:
             spec = {"world_size": world_size, "backend": backend, "timeout_s": timeout_s, "threads": threads,
                     "parent_pid": os.getpid(), "parent_start": process_start_ticks(os.getpid()),
-                    "cwd": os.getcwd(), "sys_path": shipped_sys_path()}
+                    "cwd": os.getcwd(), "sys_path": shipped_sys_path(), "warm": warm}
             (self.run_dir / "spec.json").write_text(json.dumps(spec))
             self.oom_before = oom_kill_counts()
             self.started = time.monotonic()
@@ -314,18 +339,36 @@ class RankSet:
     def alive(self) -> bool:
         return self.procs is not None and self.procs.alive()
 
-    def idle(self, timeout_s: float) -> bool:
-        """Wait until every rank finished resetting after the last job; False if one died or broke instead."""
+    def idle(self, timeout_s: float) -> str | None:
+        """Wait until every rank finished resetting after the last job. Returns None when they did, else why
+        not (a rank died, the run broke the group, a reset failed, or it took longer than ``timeout_s``)."""
         if self.last_job is None:
-            return self.alive()
+            return None if self.alive() else "a rank ended before the first run"
+        job = self.last_job
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive() or any(self.last_job.glob("broken_*")) or any(self.last_job.glob("error_*")):
-                return False
-            if all((self.last_job / f"idle_{r}").exists() for r in range(self.world_size)):
-                return True
-            time.sleep(_POLL_S / 2)
-        return False
+        while True:
+            codes = self.procs.poll()
+            broken = sorted(job.glob("broken_*"))
+            if broken:
+                return broken[0].read_text() or "the run broke the process group"
+            errors = sorted(job.glob("error_*.json"))
+            if errors:
+                try:
+                    err = json.loads(errors[0].read_text())
+                    return f"rank {err['rank']} raised {err['type']} in {err['where']}: {err['message']}"
+                except (OSError, ValueError, KeyError):
+                    return "a rank failed after the run"
+            dead = [r for r, c in enumerate(codes) if c is not None]
+            if dead:
+                return f"rank {dead[0]} {_describe_exit(codes[dead[0]])[0]} after the run"
+            if all((job / f"idle_{r}").exists() for r in range(self.world_size)):
+                # nothing of it is read any more; removing files is slow on some /tmp: not on the run's path
+                threading.Thread(target=shutil.rmtree, args=(job, True), daemon=True, name="labkit-rm").start()
+                self.last_job = None
+                return None
+            if time.monotonic() > deadline:
+                return f"the ranks did not finish resetting within {timeout_s:g} s"
+            time.sleep(_POLL_S / 5)
 
     def run(self, fn, payload: bytes, timeout_s: float, threads: int, echo: bool, *, last: bool,
             start: float | None = None, emulation=None) -> LaunchResult:
@@ -340,24 +383,18 @@ class RankSet:
         if start != self.started:
             self.oom_before = oom_kill_counts()
         self.last_job = job
-        self.procs.send(json.dumps({"job": job.name, "threads": threads, "last": last,
+        self.procs.send(json.dumps({"job": job.name, "seq": self.jobs, "threads": threads, "last": last,
                                     "emulate": emulation.rank_config() if emulation is not None else None}))
         try:
-            _wait(self, job, timeout_s, start)
+            _wait(self, job, timeout_s, start, warm=not last)
         except LaunchError as e:
             _restore_source_lines(e, fn)
             raise
         outputs = [cloudpickle.loads((job / f"result_{r}.pkl").read_bytes()) for r in range(self.world_size)]
         wall_s = time.monotonic() - start
-        frames = []
-        for r, out in enumerate(outputs):
-            t = tl.Timeline(r, out.get("offset_ns", 0))
-            t.events = out["events"]
-            frames.append(t.to_frame())
-        for f in job.glob("*.pkl"):
-            f.unlink()
-        result = LaunchResult([o["result"] for o in outputs], tl.concat(frames), self.world_size, self.backend,
-                              wall_s)
+        events = [(r, out.get("offset_ns", 0), out["events"]) for r, out in enumerate(outputs)]
+        result = LaunchResult([o["result"] for o in outputs], lambda: _timeline_frame(events), self.world_size,
+                              self.backend, wall_s)
         if emulation is not None:
             from labkit.runtime import emulate as _emulate
 
@@ -373,6 +410,16 @@ class RankSet:
         """:meth:`close_procs`, then remove the private folder (idempotent)."""
         self.close_procs()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _timeline_frame(events) -> pd.DataFrame:
+    """Every rank's events (``(rank, offset_ns, events)`` per rank) as one timeline frame."""
+    frames = []
+    for r, offset_ns, evs in events:
+        t = tl.Timeline(r, offset_ns)
+        t.events = evs
+        frames.append(t.to_frame())
+    return tl.concat(frames)
 
 
 def _describe_exit(code: int) -> tuple[str, str | None]:
@@ -418,7 +465,8 @@ def _check_launch_args(world_size, timeout_s, start_method, backend, threads_per
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
            start_method: str = "spawn", threads_per_rank: int | None = None, echo: bool = True,
-           max_world_size: int | None = None, emulate=None, **kwargs) -> LaunchResult:
+           max_world_size: int | None = None, pool=None, keep_warm: bool = False, emulate=None,
+           **kwargs) -> LaunchResult:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
 
     Args:
@@ -429,12 +477,19 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         backend: ``"auto"`` (NCCL with one GPU per rank when enough GPUs are visible, else gloo on CPU),
             ``"gloo"`` or ``"nccl"``.
         timeout_s: wall-clock limit for the whole launch (spawn to results; for a warm pool, submission to
-            results), seconds; also each collective's timeout inside cold-started ranks.
+            results), seconds; also each collective's timeout inside cold-started ranks (a pool's ranks keep
+            the pool's ``timeout_s`` for their collectives).
         start_method: only ``"spawn"`` (fresh interpreters); anything else raises ValueError explaining why.
         threads_per_rank: torch intra-op threads per rank; default ``max(1, cores // world_size)``.
         echo: forward each rank's stdout/stderr here, prefixed ``[rank r]``.
         max_world_size: raise (or lower) the memory-derived cap on ``world_size`` explicitly (also
             ``$LABKIT_MAX_WORLD_SIZE``).
+        pool: a :class:`labkit.Pool` to run on (warm ranks). Without it, an open pool of this world size and
+            backend is used when there is one (``with labkit.Pool(world_size): ...``); otherwise fresh ranks are
+            started and ended for this call (labkit.runtime.pool explains the choice).
+        keep_warm: when no pool of this shape is open, open the shared one
+            (:func:`labkit.runtime.pool.shared_pool`) and leave it open for the next launch of this shape
+            (closed at interpreter exit or by ``labkit.runtime.pool.close_all()``).
         emulate: also time the run as a GPU cluster would (:mod:`labkit.runtime.emulate`): a profile name
             such as ``"dgx-h100"``, a :class:`labkit.theory.cluster.Cluster`, or a dict (profile, efficiencies,
             "as a model" charging); runs on gloo. Default: the enclosing ``emulate.emulation(...)`` block's, if any.
@@ -446,9 +501,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
 
     Raises:
         ValueError: bad ``world_size`` (or more ranks than memory holds), ``backend``, ``timeout_s`` or
-            ``start_method``; with ``emulate``, an unknown profile, a world size its nodes cannot hold evenly,
-            or a bad option (before any process starts); a trace that cannot be replayed
-            (``labkit.theory.replay.ReplayError``, after the run).
+            ``start_method``; a ``pool`` of another shape; with ``emulate``, an unknown profile, a world size
+            its nodes cannot hold evenly, or a bad option (before any process starts); a trace that cannot be
+            replayed (``labkit.theory.replay.ReplayError``, after the run).
         ShipError (a ValueError): ``fn`` or an argument cannot be pickled; raised before any process starts.
         RankFailed: a rank raised, exited or was killed (``.rank``, ``.traceback_text``, ``.signal_name``; a
             SIGKILL says whether the OOM killer did it).
@@ -458,6 +513,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
     emulation = _emulation_plan(emulate, positive_int("world_size", world_size), backend)
     if emulation is not None:
         backend = "gloo"  # the emulated run itself runs on the CPU
+    threads_asked = threads_per_rank
     world_size, timeout_s, backend, threads_per_rank = _check_launch_args(world_size, timeout_s, start_method,
                                                                           backend, threads_per_rank)
     if isinstance(fn, str):
@@ -466,10 +522,21 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         fn = resolve_function(fn)
     if not callable(fn):
         raise ValueError(f"fn={fn!r} is not callable; pass a function or 'module:function'")
-    from labkit.runtime.limits import check_world_size
+    from labkit.runtime import pool as _pool
 
-    check_world_size(world_size, max_world_size)
+    chosen = _pool.pool_for(world_size, backend, pool)
+    if chosen is None:
+        from labkit.runtime.limits import check_world_size
+
+        check_world_size(world_size, max_world_size)
     payload = ship(fn, args, kwargs)
+    if chosen is None and keep_warm:
+        chosen = _pool.shared_pool(world_size, backend, timeout_s=timeout_s, threads_per_rank=threads_asked,
+                                   echo=echo, max_world_size=max_world_size)
+    if chosen is not None:
+        threads = threads_per_rank if threads_asked is not None else chosen.threads
+        return chosen.run_payload(fn, payload, timeout_s=timeout_s, threads=threads, echo=echo,
+                                  emulation=emulation)
     ranks = RankSet(world_size, backend, timeout_s, threads_per_rank, echo)
     try:
         return ranks.run(fn, payload, timeout_s, threads_per_rank, echo, last=True, start=ranks.started,
@@ -489,14 +556,17 @@ def _read_error(dirs: list[Path], rank: int) -> dict | None:
     return None
 
 
-def _wait(ranks: RankSet, job: Path, timeout_s: float, start: float) -> None:
+def _wait(ranks: RankSet, job: Path, timeout_s: float, start: float, *, warm: bool = False) -> None:
+    """Until every rank's result is in; raises RankFailed / LaunchTimeout. A cold rank must also exit 0; a warm
+    rank that ends after writing its result (the post-run check found the group broken) only makes the pool
+    restart before the next run."""
     deadline = start + timeout_s
     first_failure_at = None
     n = ranks.world_size
     while True:
         codes = ranks.procs.poll()
         have = [(job / f"result_{r}.pkl").exists() for r in range(n)]
-        failed = [r for r, c in enumerate(codes) if c is not None and not (c == 0 and have[r])]
+        failed = [r for r, c in enumerate(codes) if c is not None and not ((c == 0 or warm) and have[r])]
         if failed:
             now = time.monotonic()
             if first_failure_at is None:
@@ -505,9 +575,10 @@ def _wait(ranks: RankSet, job: Path, timeout_s: float, start: float) -> None:
                 _raise_failure(ranks, job, codes, now - start)
         elif all(have):
             return
-        if time.monotonic() > deadline:
-            _raise_timeout(ranks, job, timeout_s, time.monotonic() - start)
-        time.sleep(_POLL_S)
+        now = time.monotonic()
+        if now > deadline:
+            _raise_timeout(ranks, job, timeout_s, now - start)
+        time.sleep(min(_POLL_S, 0.0005 + (now - start) / 50))  # a short (warm) run is noticed within a ms
 
 
 def _raise_failure(ranks: RankSet, job: Path, codes, elapsed) -> None:

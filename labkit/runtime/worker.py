@@ -5,10 +5,12 @@ Two entries:
 * ``rank_main([RUN_DIR, RANK])`` — started by :func:`labkit.runtime.launcher.launch` and
   :class:`labkit.runtime.pool.Pool` under the launch supervisor (supervisor.py), as ``python -P -c BOOT``
   (safepath.py: nothing is imported from the working directory). The rank creates its process group once,
-  then runs one job per line on its stdin (``{"job": DIR, "threads": N, "last": bool, "emulate": cfg}``):
-  it reads the shipped function from ``RUN_DIR/DIR`` (recording a trace for the emulator when ``emulate``),
-  writes its result or its error back there, and — in a pool — checks the group, resets itself (reset.py)
-  and waits for the next job. A cold launch sends one job with ``last``.
+  then runs one job per line on its stdin (``{"job": DIR, "seq": N, "threads": N, "last": bool, "emulate":
+  cfg}``; the rank function itself sees /dev/null as stdin): it reads the shipped function from
+  ``RUN_DIR/DIR`` and writes its result (with this rank's trace for the emulator when ``emulate``) or its
+  error back there. A cold launch sends one job with ``last`` and the rank destroys its group and exits. A pool rank (``"warm"`` in the spec) takes a baseline once (reset.py), and after each job checks
+  the group (one all_reduce that every rank must agree on, else ``broken_<rank>`` and exit), resets itself
+  to the baseline, writes ``idle_<rank>`` and waits for the next job.
 * ``torchrun ... -m labkit.runtime.worker MODULE:FUNCTION [--kwargs JSON] [--out DIR] [--pickle-results]`` —
   the same rank functions under torchrun (single- or multi-node). Each rank writes ``DIR/rank<r>.pt`` (data
   only, results.py); :func:`labkit.runtime.launcher.load_results` reads them back as a LaunchResult.
@@ -186,12 +188,23 @@ def _enter_caller_path(spec: dict) -> None:
         pass
 
 
+def _job_lines():
+    """The job lines from the launcher, on a private copy of stdin; fd 0 becomes /dev/null, so a rank function
+    that reads stdin (``input()``) gets EOF instead of eating the next job."""
+    fd = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return os.fdopen(fd, "r")
+
+
 def rank_main(argv: list[str]) -> int:
     run, rank = Path(argv[0]), int(argv[1])
     spec = json.loads((run / "spec.json").read_text())
     _set_parent_death_signal(int(os.environ.get("LABKIT_SUPERVISOR_PID") or 0))
     stack_file = open(run / f"stack_{rank}.txt", "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    jobs = _job_lines()
     _enter_caller_path(spec)
     world_size, backend, timeout_s = spec["world_size"], spec["backend"], spec["timeout_s"]
     where = "importing torch"
@@ -202,28 +215,45 @@ def rank_main(argv: list[str]) -> int:
         where = "rendezvous"
         store = _rendezvous(run, rank, world_size, timeout_s)
         _init_group(backend, rank, world_size, rank, timeout_s, store=store)
-        from labkit.runtime.reset import Baseline
+        baseline = None
+        if spec.get("warm"):  # a pool rank: warm up and take the state every run starts from (reset.py)
+            where = "preparing the warm rank"
+            from labkit.runtime.reset import Baseline
 
-        baseline = Baseline(spec["threads"])
+            baseline = Baseline(spec["threads"])
         (run / f"ready_{rank}").touch()
     except BaseException as e:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         _write_error(run, rank, e, where)
         return 1
-    for line in sys.stdin:
+    for line in jobs:
         try:
             job = json.loads(line)
         except ValueError:
             continue
         if job.get("exit"):
             break
-        status = _run_job(run / job["job"], rank, world_size, backend, job, baseline)
+        status = _run_job(run / job["job"], rank, world_size, backend, job, baseline, spec["threads"])
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)  # the job's file is closed
         if status is not None:
             return status
     _destroy_group()
     return 0
 
 
-def _run_job(job_dir: Path, rank: int, world_size: int, backend: str, job: dict, baseline) -> int | None:
+def _group_agrees(ctx, seq: int) -> bool:
+    """The post-run check of a warm rank: one all_reduce of ``[1, seq]`` must give ``[world_size,
+    world_size * seq]`` on every rank (a rank left inside a collective of the run, or one that paired its
+    collectives differently, breaks it)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1, seq], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t)
+    return t.tolist() == [ctx.world_size, ctx.world_size * seq]
+
+
+def _run_job(job_dir: Path, rank: int, world_size: int, backend: str, job: dict, baseline,
+             threads: int) -> int | None:
     """One run. Returns None to wait for the next job, else this process's exit status."""
     import cloudpickle
     import torch
@@ -233,7 +263,7 @@ def _run_job(job_dir: Path, rank: int, world_size: int, backend: str, job: dict,
     stack_file = open(job_dir / f"stack_{rank}.txt", "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
-        torch.set_num_threads(int(job.get("threads") or baseline.threads))
+        torch.set_num_threads(int(job.get("threads") or threads))
         ctx = _make_context(rank, world_size, rank, world_size, 0, backend)
         payload = cloudpickle.loads((job_dir / "payload.pkl").read_bytes())
         where = "the rank function"
@@ -247,7 +277,7 @@ def _run_job(job_dir: Path, rank: int, world_size: int, backend: str, job: dict,
         blob = _package(ctx, result, trace)
         _atomic_write(job_dir / f"result_{rank}.pkl", blob)
         del payload, result, blob
-        if job.get("last"):
+        if job.get("last") or baseline is None:
             where = "destroying the process group"
             _finish_group(ctx)
             return 0
@@ -255,7 +285,9 @@ def _run_job(job_dir: Path, rank: int, world_size: int, backend: str, job: dict,
         if not dist.is_initialized():
             (job_dir / f"broken_{rank}").write_text("the run destroyed the default process group")
             return 0
-        ctx.barrier()  # every rank is past the run's collectives before the next run starts
+        if not _group_agrees(ctx, int(job.get("seq") or 0)):
+            (job_dir / f"broken_{rank}").write_text("the ranks disagree about the process group after the run")
+            return 0
         del ctx
         where = "resetting the rank for the next run"
         baseline.restore()
