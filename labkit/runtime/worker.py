@@ -9,7 +9,8 @@ Two entries:
   cfg}``; the rank function itself sees /dev/null as stdin): it reads the shipped function from
   ``RUN_DIR/DIR`` and writes its result (with this rank's trace for the emulator when ``emulate``) or its
   error back there. A cold launch sends one job with ``last`` and the rank destroys its group and exits.
-  A pool rank (``"warm"`` in the spec) takes a baseline once (reset.py), and after each job checks the group (one all_reduce that every rank must agree on, else ``broken_<rank>`` and exit), resets itself
+  A pool rank (``"warm"`` in the spec) takes a baseline once (reset.py), and after each job checks the
+  group (one all_reduce that every rank must agree on, else ``broken_<rank>`` and exit), resets itself
   to the baseline, writes ``idle_<rank>`` and waits for the next job.
 * ``torchrun ... -m labkit.runtime.worker MODULE:FUNCTION [--kwargs JSON] [--out DIR] [--pickle-results]`` —
   the same rank functions under torchrun (single- or multi-node). Each rank writes ``DIR/rank<r>.pt`` (data
