@@ -181,9 +181,11 @@ def summarize(results) -> pd.DataFrame:
 
 GLOO = "bytes per rank per step (model: gloo's algorithms, reduce-scatter sent as an all-reduce)"
 #: per op, bytes one rank sends per byte of S with gloo's CPU algorithms: a ring all-reduce and all-gather,
-#: and a reduce-scatter that runs a whole all-reduce and keeps its shard (chapter 02 measures this)
+#: a reduce-scatter that runs a whole all-reduce and keeps its shard (chapter 02 measures this), an all-to-all
+#: that sends every peer its chunk, and point-to-point: the sender sends S, the receiver nothing
 GLOO_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                "reduce_scatter": lambda n: 2 * (n - 1) / n}
+                "reduce_scatter": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                "send": lambda n: 1.0, "recv": lambda n: 0.0}
 
 
 def wire_table(results) -> pd.DataFrame:
