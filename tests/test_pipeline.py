@@ -130,13 +130,14 @@ def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def fake(ours, theirs):
+    def fake(ours, theirs, torch_losses=(2.0, 1.9)):
         def run(jobs, pp, **kw):
             out = []
             for i, job in enumerate(jobs):
                 t = (ours if job["impl"] == "labkit" else theirs)[i // 2]
                 steps = {"step_s": [t, t * 1.01], "bubble_fraction": [0.1, 0.1]}
-                out.append(types.SimpleNamespace(job=job, steps=steps))
+                losses = [2.0, 1.9] if job["impl"] == "labkit" else list(torch_losses)
+                out.append(types.SimpleNamespace(job=job, steps=steps, losses=losses))
             return out
         return run
 
@@ -146,6 +147,12 @@ def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
     assert "= 1.010" in last and "0.990 to 1.040" in last and last.endswith("NOT met")
     monkeypatch.setattr(bench.pl, "run_pipelines", fake([0.09, 0.095, 0.1], [0.1, 0.1, 0.1]))
     assert bench.main(["--rounds", "3"]) == 0
+    assert "losses labkit vs torch: max |diff| 0.00e+00" in capsys.readouterr().out
+    # fast but wrong: ours trains another model (a loss off after the first update) -> no ratio, exit 1
+    monkeypatch.setattr(bench.pl, "run_pipelines", fake([0.05, 0.05, 0.05], [0.1, 0.1, 0.1], (2.0, 1.95)))
+    assert bench.main(["--rounds", "3"]) == 1
+    out = capsys.readouterr()
+    assert "DIFFERENT" in out.out and "ratio" not in out.out and "did not train the same model" in out.err
 
 
 def test_stage_layer_counts():
