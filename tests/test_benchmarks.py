@@ -126,3 +126,51 @@ def test_collectives_overhead_bare_loop_check_catches_a_broken_op():
 
     for honest, broken in launch(rank, 2, _load, echo=False):
         assert honest == 0 and broken > 0
+
+
+def _sweep_table(flag="", wrong=0, timing="synchronised"):
+    from labkit.experiments import collectives as col
+
+    raw = col.raw_frame([[("all_reduce", s, s // 4, rep, 1e-4 + s / 100e9, 0) for s in (1024, 4096)
+                          for rep in range(3)] for _ in range(2)])
+    df = col.summarize(raw, 2, backend="nccl", timing=timing)
+    df.loc[1, "flag"] = flag
+    df.loc[1, "wrong"] = wrong
+    return df
+
+
+@pytest.mark.parametrize("bad", [dict(flag="flat: time does not grow with size"), dict(wrong=5)])
+def test_record_gpu_collectives_refuses_to_record_bad_rows(bad, tmp_path, monkeypatch, capsys):
+    """benchmarks/record_gpu_collectives.py: a sweep with a flagged synchronised row or wrong values is printed,
+    nothing is recorded, exit 1 (before, it wrote the reference file and exited 0 with a warning)."""
+    import torch
+
+    from labkit.runtime import records
+
+    bench = _load("record_gpu_collectives")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(records, "identity", lambda *a, **k: {"gpus": ["NVIDIA H100 80GB HBM3"] * 2})
+    out = tmp_path / "ref.json"
+    monkeypatch.setattr(bench.col, "sweep", lambda *a, **k: _sweep_table(**bad))
+    assert bench.main(["--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert not out.exists() and "nothing recorded" in err and "all_reduce" in err, err
+    monkeypatch.setattr(bench.col, "sweep", lambda *a, **k: _sweep_table())
+    assert bench.main(["--out", str(out)]) == 0 and out.exists()
+
+
+def test_reference_writers_refuse_bad_rows(tmp_path):
+    """The library's writers refuse what the benchmark refuses (a caller that skips the check writes nothing):
+    flagged synchronised rows, wrong values, CPU rows; flagged unsynchronised rows are what they are for."""
+    from labkit.experiments import collectives as col
+
+    ident = {"gpus": ["NVIDIA H100 80GB HBM3"] * 2}
+    for bad, match in ((_sweep_table(flag="too fast"), "flagged: too fast"), (_sweep_table(wrong=2), "2 wrong"),
+                       (_sweep_table().assign(backend="gloo"), "backend gloo, not nccl")):
+        with pytest.raises(ValueError, match=match):
+            col.write_reference(bad, ident, tmp_path / "x.json")
+        assert not (tmp_path / "x.json").exists()
+    demo = _sweep_table(flag="too fast", timing="unsynchronised")
+    assert col.bad_reference_rows(demo).empty
+    assert col.write_reference(demo, ident, tmp_path / "ok.json").exists()

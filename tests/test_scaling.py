@@ -135,6 +135,12 @@ def test_reference_absent_roundtrip_and_bad_format(tmp_path, monkeypatch):
     back = scaling.load_reference(path)
     assert list(back["speedup"]) == pytest.approx([1.0, 1 / 0.6]) and set(back["gpu"]) == {"NVIDIA H100 80GB HBM3"}
     assert "recorded elsewhere" in back.attrs["status"]
+    # rows that must not become GPU reference numbers: nothing is written (before, anything was)
+    for wrong, match in ((df.assign(backend="gloo"), "backend 'gloo', not nccl"),
+                         (df.assign(time_s=[1.0, float("nan")]), "time_s=nan outside")):
+        with pytest.raises(ValueError, match=match):
+            scaling.write_reference(wrong, {"gpus": []}, tmp_path / "refused.json")
+        assert not (tmp_path / "refused.json").exists()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "other", "rows": []}))
     with pytest.raises(ValueError, match="expected 'labkit.scaling/v1'"):

@@ -391,10 +391,32 @@ def reference_dir() -> Path:
     return data_dir() / "reference" / "scaling"
 
 
+def bad_reference_rows(df: pd.DataFrame) -> list[str]:
+    """Why rows of a series must not become a recorded GPU reference: not measured on NCCL (a CPU series would
+    be shown as GPU numbers), or a time that is not a positive number within its own min..max. One line per bad
+    row; empty when every row may be recorded."""
+    import math
+
+    bad = []
+    for r in df.to_dict("records"):
+        what = f"{r.get('experiment')} {r.get('mode')} world_size={r.get('world_size')}"
+        if r.get("backend") != "nccl":
+            bad.append(f"{what}: backend {r.get('backend')!r}, not nccl")
+        t, lo, hi = (float(r.get(k, float("nan"))) for k in ("time_s", "time_min_s", "time_max_s"))
+        if not (math.isfinite(t) and 0 < lo <= t <= hi):
+            bad.append(f"{what}: time_s={t} outside 0 < time_min_s={lo} <= time_s <= time_max_s={hi}")
+    return bad
+
+
 def write_reference(df: pd.DataFrame, identity: dict, path: str | Path) -> Path:
     """Write a measured GPU series as a recorded reference (``{"format", "identity", "rows"}``, format
     :data:`REFERENCE_FORMAT`), atomically. ``identity`` should name the GPUs, nodes, torch/NCCL versions and
-    the git sha (:func:`labkit.runtime.records.identity`)."""
+    the git sha (:func:`labkit.runtime.records.identity`). Raises ValueError, writing nothing, when a row must
+    not be recorded (:func:`bad_reference_rows`)."""
+    bad = bad_reference_rows(df)
+    if bad:
+        raise ValueError(f"{len(bad)} row(s) must not be recorded as a GPU reference series, nothing written: "
+                         + "; ".join(bad))
     keep = [c for c in df.columns if c in ROW_FIELDS or c in ("tokens", "flops", "sequences", "matmuls", "n_nodes")]
     return records.write_reference_doc(df[keep].to_dict("records"), identity, path, REFERENCE_FORMAT)
 
