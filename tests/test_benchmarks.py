@@ -174,3 +174,30 @@ def test_reference_writers_refuse_bad_rows(tmp_path):
     demo = _sweep_table(flag="too fast", timing="unsynchronised")
     assert col.bad_reference_rows(demo).empty
     assert col.write_reference(demo, ident, tmp_path / "ok.json").exists()
+
+
+def test_launch_overhead_times_torchrun_the_same_way_as_ours(monkeypatch, capsys):
+    """benchmarks/launch_overhead.py: the headline ratio compares labkit.launch started from a fresh interpreter
+    with torchrun (which starts one too), not the in-process launch (before: an interpreter start was in torchrun's
+    time only). Fakes: an interpreter start costs 0.2 s, a launch 0.05 s."""
+    import sys
+    import time
+
+    bench = _load("launch_overhead")
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        time.sleep(0.2 + 0.05 if cmd[0] == sys.executable else 0.2 + 0.1)  # ours vs torchrun's agent + workers
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench, "launch", lambda *a, **k: time.sleep(0.05))
+    assert bench.main(["--world-size", "2", "--repeats", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("ratio launch/torchrun wall time, both from a fresh interpreter")
+    headline = float(lines[-1].split("= ")[1].split()[0])
+    assert headline == pytest.approx(0.25 / 0.3, abs=0.1), lines[-1]  # not 0.05 / 0.3, the in-process ratio
+    assert "ratio in-process launch/torchrun" in lines[-2] and "not like for like" in lines[-2]
+    ours = [c for c in calls if c[0] == sys.executable]
+    assert len(ours) == 3 and all(Path(c[1]).name.endswith("_ours.py") for c in ours)
+    assert sum("--standalone" in c for c in calls) == 3

@@ -256,7 +256,8 @@ def _check_profile(res, world_size):
         assert len(wire) and wire["socket_over_gloo_model"].between(1.0, 1.2).all(), wire
         assert (wire.loc[wire["method"] == "allgather", "gloo_model_bytes"]
                 > wire.loc[wire["method"] == "allgather", "sent_bytes_model"]).all()
-        assert (table.loc[table["gloo_model_bytes"] == 0, "socket_bytes"] < 4096).all(), table  # cp=1: no comm
+        quiet = table.loc[table["gloo_model_bytes"] == 0, "socket_bytes"]  # the cp=1 configs: no comm
+        assert len(quiet) and (quiet < 4096).all(), table
     # work: the kernel computed exactly the predicted blocks on every rank (naive: r+1, zigzag: (2cp+1)/4)
     assert (table["blocks"] == table["predicted_blocks"]).all(), table
     assert (table["kernel_cpu_ms"] > 0).all() and (table["kernel_cpu_ms"] <= table["cpu_ms"]).all(), table

@@ -51,9 +51,49 @@ def test_chapter_stored_clean_and_shaped(path):
     assigned = {t.id for node in ast.parse(params[0].source).body if isinstance(node, ast.Assign)
                 for t in node.targets if isinstance(t, ast.Name)}
     assert assigned <= set(declared), f"papermill cannot see: {sorted(assigned - set(declared))}"
-    text = "\n".join(c.source for c in nb.cells)
-    assert "assert " in text, "a chapter checks its run with asserts"
-    assert "Exercise" in text, "a chapter ends with a self-checking exercise"
+    assert not check_problems(nb), check_problems(nb)
+
+
+def check_problems(nb) -> list[str]:
+    """What is missing from a chapter's checks, read from its code (not from its words): an ``assert`` statement
+    whose condition is not a constant and reads a name the chapter's code assigned (a comment or markdown that
+    says "assert" does not count), and an Exercise heading followed by a code cell that leaves the reader's
+    answer ``= None``."""
+    import re
+
+    code = [ast.parse(c.source) for c in nb.cells if c.cell_type == "code"]
+    assigned = {n.id for tree in code for n in ast.walk(tree)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    checks = [a for tree in code for a in ast.walk(tree) if isinstance(a, ast.Assert)
+              and not isinstance(a.test, ast.Constant)
+              and {n.id for n in ast.walk(a.test) if isinstance(n, ast.Name)} & assigned]
+    problems = [] if checks else ["no assert statement checks what the chapter computed"]
+    heads = [i for i, c in enumerate(nb.cells)
+             if c.cell_type == "markdown" and re.search(r"^#+ .*Exercise", c.source, re.M)]
+    after = nb.cells[heads[-1] + 1:] if heads else []
+    answers = [c for c in after if c.cell_type == "code" and re.search(r"^\w+ = None\b", c.source, re.M)]
+    if not answers:
+        problems.append("no Exercise heading followed by a code cell with the reader's answer = None")
+    return problems
+
+
+def test_check_problems_reads_code_not_words():
+    """The shape check above fails a chapter whose only "assert" is a word (markdown, a comment, a string) or a
+    constant; before, the word "assert" anywhere passed."""
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+
+    def nb(*cells):
+        return nbformat.v4.new_notebook(cells=list(cells))
+
+    exercise = [md("## Exercise\nHow many?"), code("answer = None  # yours")]
+    wordy = nb(md("We assert that it works."), code("x = 1  # assert x == 1"), code("print('assert x')"), *exercise)
+    assert check_problems(wordy) == ["no assert statement checks what the chapter computed"]
+    assert check_problems(nb(code("x = 1"), code("assert True"), *exercise))[0].startswith("no assert")
+    assert check_problems(nb(code("assert undefined_name > 0"), *exercise))[0].startswith("no assert")
+    ok = nb(code("x = 1"), code("assert x == 1, x"), *exercise)
+    assert check_problems(ok) == []
+    assert check_problems(nb(code("x = 1"), code("assert x == 1"), md("Exercise: none here"))) == [
+        "no Exercise heading followed by a code cell with the reader's answer = None"]
 
 
 def test_runner_timeout_failure_parameters_and_notebook_defined_rank_fn(tmp_path):
