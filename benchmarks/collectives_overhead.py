@@ -6,6 +6,9 @@ labkit's sweep adds buffer set-up, value checks and bookkeeping outside the time
 two should cost the same. Each round gives both one untimed warm-up call on their fresh buffers, then one
 timed repeat.
 
+Both paths' values are checked every round, outside the timed region (the output against what the op must
+produce, computed without it); a wrong value on either path prints no ratio and exits 1.
+
 Prints a table per size: measured busbw of both (median of the repeats) and two ratios labkit/bare — of the
 medians, and of the least-disturbed (fastest) repeats, which load on a shared machine cannot make faster.
 Then the spread of the per-size ratios, and, last, the headline: the geometric mean over sizes of the
@@ -34,9 +37,11 @@ from labkit.theory.collectives import parse_ops, plan, size_range
 GOAL = 0.95
 
 
-def bare_rank(ctx, op, count, warmup, repeats):
+def bare_rank(ctx, op, count, warmup, repeats, verify=False):
     """A bare loop: the op called directly on plain buffers, timed between a barrier and a synchronize.
-    Returns the seconds of each repeat."""
+    Returns (the seconds of each repeat, wrong elements): with ``verify``, one untimed call first on buffers
+    with the check pattern (:func:`labkit.experiments.collectives.make_buffers`), its output compared with
+    :func:`~labkit.experiments.collectives.expected_output` (computed without the collective); 0 otherwise."""
     import torch
     import torch.distributed as dist
 
@@ -46,7 +51,7 @@ def bare_rank(ctx, op, count, warmup, repeats):
     x = torch.ones(count // n if op == "all_gather" else count, device=ctx.device)
     out = torch.empty(count // n if op == "reduce_scatter" else count, device=ctx.device)
 
-    def call():
+    def call(x, out):
         if op == "all_reduce":
             dist.all_reduce(x)
         elif op == "all_gather":
@@ -59,20 +64,29 @@ def bare_rank(ctx, op, count, warmup, repeats):
             dist.all_to_all_single(out, x)
 
     for _ in range(warmup):
-        call()
+        call(x, out)
+    wrong = 0
+    if verify:  # outside the timed region, as labkit's sweep does it
+        vx, vout = col.make_buffers(op, count, ctx.rank, n, "float32", ctx.device)
+        ctx.barrier()
+        call(vx, vout)
+        ctx.sync()
+        wrong = col.count_wrong(vout, col.expected_output(op, count, ctx.rank, n, "float32", ctx.device), "float32")
     times = []
     for _ in range(repeats):
         ctx.barrier()
         t0 = time.perf_counter_ns()
-        call()
+        call(x, out)
         ctx.sync()
         times.append((time.perf_counter_ns() - t0) / 1e9)
-    return times
+    return times, wrong
 
 
 def both_rank(ctx, cases, warmup, repeats):
     """Per case: ``warmup`` untimed calls of each path, then ``repeats`` rounds of one labkit repeat and one
-    bare repeat (each after one untimed call on its fresh buffers), the order alternating from round to round."""
+    bare repeat (each after one untimed call on its fresh buffers, and one untimed value check), the order
+    alternating from round to round. Rows ``(op, bytes, count, repeat, time_s, wrong)``: ``wrong`` is the
+    number of output elements that check found wrong on this rank (both paths are checked, never assumed)."""
     labkit_rows, bare_rows = [], []
     for i, (op, nbytes, count) in enumerate(cases):
         col.sweep_rank(ctx, [(op, nbytes, count)], warmup=warmup, repeats=1, verify=False)
@@ -80,11 +94,11 @@ def both_rank(ctx, cases, warmup, repeats):
         for rep in range(repeats):
             for name in ("labkit", "bare") if (i + rep) % 2 == 0 else ("bare", "labkit"):
                 if name == "labkit":
-                    (row,) = col.sweep_rank(ctx, [(op, nbytes, count)], warmup=1, repeats=1, verify=False)
-                    labkit_rows.append((op, nbytes, count, rep, row[4], 0))
+                    (row,) = col.sweep_rank(ctx, [(op, nbytes, count)], warmup=1, repeats=1, verify=True)
+                    labkit_rows.append((op, nbytes, count, rep, row[4], row[5]))
                 else:
-                    (t,) = bare_rank(ctx, op, count, 1, 1)
-                    bare_rows.append((op, nbytes, count, rep, t, 0))
+                    (t,), wrong = bare_rank(ctx, op, count, 1, 1, verify=True)
+                    bare_rows.append((op, nbytes, count, rep, t, wrong))
     return labkit_rows, bare_rows
 
 
@@ -130,8 +144,15 @@ def main(argv=None) -> int:
         print(f"collectives_overhead: error: {e}", file=sys.stderr)
         return 2
     res = launch(both_rank, args.world_size, cases, warmup, repeats, backend=args.backend, echo=False)
-    lab = col.summarize(col.raw_frame([r[0] for r in res]), args.world_size, backend=res.backend)
-    bare = col.summarize(col.raw_frame([r[1] for r in res]), args.world_size, backend=res.backend)
+    raw = {"labkit": col.raw_frame([r[0] for r in res]), "bare": col.raw_frame([r[1] for r in res])}
+    wrong = pd.concat([f.assign(path=k) for k, f in raw.items()])
+    wrong = wrong[wrong["wrong"] != 0].groupby(["path", "op", "bytes"])["wrong"].sum().reset_index()
+    if len(wrong):  # a fast path that computes the wrong values must not get a ratio
+        print(f"collectives_overhead: wrong values (elements, summed over ranks and repeats), no ratio: "
+              f"{wrong.to_dict('records')}", file=sys.stderr)
+        return 1
+    lab = col.summarize(raw["labkit"], args.world_size, backend=res.backend)
+    bare = col.summarize(raw["bare"], args.world_size, backend=res.backend)
     t = compare(lab, bare)
     with pd.option_context("display.width", 140):
         print(f"# measured on {res.backend}, world_size={args.world_size}, {repeats} repeats per path (slowest "

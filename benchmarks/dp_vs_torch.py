@@ -7,7 +7,9 @@
 
 Tokens/s are measured (global tokens per second, median over rounds); a ratio is the median over rounds of
 the per-round ratio (the variants of one round ran back to back, under the same machine load), printed with
-its spread over rounds. Ratios are printed last; the exit status is 1 when a goal is missed.
+its spread over rounds. Before any ratio, each pair is checked to have trained the same model (every step's
+loss and the final full weights, labkit.experiments.common.same_model_rows): a pair that did not fails the
+launch and no ratio is printed (exit 1). Ratios are printed last; the exit status is 1 when a goal is missed.
 Usage: python benchmarks/dp_vs_torch.py [--world-size 2] [--model lab-small-llama] [--repeats 5]
 """
 
@@ -43,8 +45,8 @@ def main(argv=None) -> int:
     wrappers = {**dp_experiments.WRAPPERS, **zero_experiments.WRAPPERS}
     res = launch(throughput_rank, args.world_size, wrappers, runs, model=args.model, steps=args.steps,
                  repeats=args.repeats, global_batch_size=args.global_batch_size, seq_len=args.seq_len,
-                 backend=args.backend, timeout_s=900)
-    tps = res[0]
+                 backend=args.backend, timeout_s=900, same_model=list(GOALS))
+    tps = res[0]  # the ranks raised ParityError (the launch failed: exit 1) if a pair trained different models
     print(f"world_size={args.world_size} backend={res.backend} model={args.model} "
           f"global_batch_size={args.global_batch_size} seq_len={args.seq_len} steps={args.steps} "
           f"repeats={args.repeats}")
@@ -53,6 +55,10 @@ def main(argv=None) -> int:
     for label, vals in tps.items():
         med[label] = statistics.median(vals)
         print(f"{label:<8} {med[label]:16.1f} {min(vals):10.1f} {max(vals):10.1f}")
+    for row in getattr(tps, "parity", []):
+        print(f"same model {row['pair']}: max |loss diff| {row['max_loss_diff']:.2e}, max |weight diff| "
+              f"{row['max_weight_diff']:.2e} (allowed {row['weight_atol']:.1e}): "
+              f"{'same' if row['same'] else 'DIFFERENT'}")
     ok = True
     lines = []
     for (mine, theirs), goal in GOALS.items():

@@ -5,7 +5,9 @@ alternate for ``--rounds`` rounds so that load from other processes hits both al
 of one training step on the slowest rank (barrier before each step), measured; min / median / max over all
 timed steps. The last line is the ratio ours / torch of the median step times: the median over rounds of
 each round's ratio (the two ran back to back, under the same load), with the spread over rounds (goal <=
-1.0). The exit status is 1 when the goal is missed.
+1.0). Before the ratio, each round's two runs must have trained the same model (every timed step's loss
+within fp32's labkit.models.TOLERANCES, rtol 1e-4 / atol 1e-5): otherwise no ratio is printed and the exit
+status is 1. The exit status is also 1 when the goal is missed.
 
     PYTHONPATH=. python benchmarks/pp_vs_torch.py [--pp 2] [--spec lab-small-llama] [--n-microbatches 4]
 """
@@ -14,10 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+
+import torch
 
 from labkit.cli import run_main
 from labkit.experiments import pipeline as pl
 from labkit.experiments.common import ratio_verdict
+from labkit.models import TOLERANCES
 from labkit.theory.spec import get_spec
 
 
@@ -41,6 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         jobs += [dict(common, impl="labkit"), dict(common, impl="torch")]
     runs = pl.run_pipelines(jobs, args.pp, timeout_s=args.timeout_s, echo=False)
+
+    # the same model? each round's two runs started from the same weights and saw the same batches
+    tol = TOLERANCES[torch.float32]
+    by_round = list(zip(runs[0::2], runs[1::2]))
+    worst = max((abs(a - b) for ours, theirs in by_round for a, b in zip(ours.losses, theirs.losses)), default=0.0)
+    same = all(len(ours.losses) == len(theirs.losses) > 0 and
+               all(abs(a - b) <= tol["atol"] + tol["rtol"] * abs(b) for a, b in zip(ours.losses, theirs.losses))
+               for ours, theirs in by_round)
+    print(f"losses labkit vs torch: max |diff| {worst:.2e} over {args.rounds} rounds x {args.steps} steps "
+          f"({'same' if same else 'DIFFERENT'}; allowed {tol['atol']:g} + {tol['rtol']:g} x |loss|)")
+    if not same:
+        print("pp_vs_torch: the two implementations did not train the same model: no speed ratio", file=sys.stderr)
+        return 1
 
     times = {"labkit": [], "torch": []}
     bubbles = {"labkit": [], "torch": []}

@@ -9,7 +9,9 @@ Writes ``data/reference/collectives/<gpu>-<n>gpu-<yyyymmdd>.json`` (format ``lab
 the sweep table's columns). Add ``--unsynchronised`` to record, beside the real rows, rows timed without
 synchronisation (the field bug the chapter shows; they carry ``timing="unsynchronised"`` and get flagged).
 Commit the file. Without at least two GPUs it records nothing and exits 2: it never writes CPU numbers
-as GPU ones.
+as GPU ones. When a row came out wrong (values, or a synchronised row flagged flat or beyond the hardware:
+labkit.experiments.collectives.bad_reference_rows) it prints the table and those rows, records nothing and
+exits 1.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"record_gpu_collectives: error: {e}", file=sys.stderr)
         return 2
+    bad = col.bad_reference_rows(df)
+    if len(bad):
+        sys.stdout.write(col.format_table(df))
+        print(f"record_gpu_collectives: error: {len(bad)} row(s) must not become reference numbers; nothing "
+              f"recorded:\n" + bad[["op", "bytes", "timing", "busbw_gbps", "why"]].to_string(index=False),
+              file=sys.stderr)
+        return 1
     ident = records.identity("collectives", {"ops": args.ops, "dtype": args.dtype}, world_size=n, backend="nccl")
     ident["command"] = " ".join(["benchmarks/record_gpu_collectives.py", *(argv or sys.argv[1:])])
     ident.update({"iters": args.iters, "warmup": args.warmup, "repeats": args.repeats})
@@ -60,9 +69,7 @@ def main(argv=None) -> int:
     out = args.out or col.reference_dir() / f"{gpu}-{n}gpu-{time.strftime('%Y%m%d')}.json"
     path = col.write_reference(df, ident, out)
     sys.stdout.write(col.format_table(df))
-    bad = df[(df["timing"] == "synchronised") & ((df["flag"] != "") | (df["wrong"] != 0))]
-    warn = f"; WARNING: {len(bad)} synchronised row(s) flagged or wrong" if len(bad) else ""
-    print(f"recorded {len(df)} rows to {path}{warn}")
+    print(f"recorded {len(df)} rows to {path}")
     return 0
 
 

@@ -181,7 +181,13 @@ def test_dense_vs_moe_table():
     df = epe.dense_vs_moe(batch=1, seq_len=8, repeats=1)
     moe, dense = df.set_index("model").loc["moe"], df.set_index("model").loc["dense-active"]
     assert moe["params_measured"] == moe["params_predicted"] > 2 * dense["params_measured"]
+    # sanity (the formula on both specs, not evidence): the dense twin has the MoE's active FLOPs
     assert abs(moe["flops_per_token_predicted"] / dense["flops_per_token_predicted"] - 1) < 0.02
+    # independent: torch's FlopCounterMode on each model's forward (the router and the top_k experts that ran):
+    # within 1 % under the formula (N holds the norm weights, which are no matmul: 0.25 % here), and equal FLOPs
+    for row in (moe, dense):
+        assert 0.99 <= row["flops_per_token_counted"] / row["flops_per_token_predicted"] <= 1.0, row
+    assert abs(moe["flops_per_token_counted"] / dense["flops_per_token_counted"] - 1) < 0.02
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -51,9 +51,49 @@ def test_chapter_stored_clean_and_shaped(path):
     assigned = {t.id for node in ast.parse(params[0].source).body if isinstance(node, ast.Assign)
                 for t in node.targets if isinstance(t, ast.Name)}
     assert assigned <= set(declared), f"papermill cannot see: {sorted(assigned - set(declared))}"
-    text = "\n".join(c.source for c in nb.cells)
-    assert "assert " in text, "a chapter checks its run with asserts"
-    assert "Exercise" in text, "a chapter ends with a self-checking exercise"
+    assert not check_problems(nb), check_problems(nb)
+
+
+def check_problems(nb) -> list[str]:
+    """What is missing from a chapter's checks, read from its code (not from its words): an ``assert`` statement
+    whose condition is not a constant and reads a name the chapter's code assigned (a comment or markdown that
+    says "assert" does not count), and an Exercise heading followed by a code cell that leaves the reader's
+    answer ``= None``."""
+    import re
+
+    code = [ast.parse(c.source) for c in nb.cells if c.cell_type == "code"]
+    assigned = {n.id for tree in code for n in ast.walk(tree)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    checks = [a for tree in code for a in ast.walk(tree) if isinstance(a, ast.Assert)
+              and not isinstance(a.test, ast.Constant)
+              and {n.id for n in ast.walk(a.test) if isinstance(n, ast.Name)} & assigned]
+    problems = [] if checks else ["no assert statement checks what the chapter computed"]
+    heads = [i for i, c in enumerate(nb.cells)
+             if c.cell_type == "markdown" and re.search(r"^#+ .*Exercise", c.source, re.M)]
+    after = nb.cells[heads[-1] + 1:] if heads else []
+    answers = [c for c in after if c.cell_type == "code" and re.search(r"^\w+ = None\b", c.source, re.M)]
+    if not answers:
+        problems.append("no Exercise heading followed by a code cell with the reader's answer = None")
+    return problems
+
+
+def test_check_problems_reads_code_not_words():
+    """The shape check above fails a chapter whose only "assert" is a word (markdown, a comment, a string) or a
+    constant; before, the word "assert" anywhere passed."""
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+
+    def nb(*cells):
+        return nbformat.v4.new_notebook(cells=list(cells))
+
+    exercise = [md("## Exercise\nHow many?"), code("answer = None  # yours")]
+    wordy = nb(md("We assert that it works."), code("x = 1  # assert x == 1"), code("print('assert x')"), *exercise)
+    assert check_problems(wordy) == ["no assert statement checks what the chapter computed"]
+    assert check_problems(nb(code("x = 1"), code("assert True"), *exercise))[0].startswith("no assert")
+    assert check_problems(nb(code("assert undefined_name > 0"), *exercise))[0].startswith("no assert")
+    ok = nb(code("x = 1"), code("assert x == 1, x"), *exercise)
+    assert check_problems(ok) == []
+    assert check_problems(nb(code("x = 1"), code("assert x == 1"), md("Exercise: none here"))) == [
+        "no Exercise heading followed by a code cell with the reader's answer = None"]
 
 
 def test_runner_timeout_failure_parameters_and_notebook_defined_rank_fn(tmp_path):
@@ -164,20 +204,110 @@ def test_chapter_validates_every_parameter_through_check_chapter(name):
         exec(first, ns)  # nothing launched yet
 
 
-@pytest.mark.parametrize("name", sorted(EXERCISES))
-def test_exercise_not_attempted_gives_a_hint_not_the_answer(name, capsys):
-    import importlib
+#: every chapter's exercise (00-11), run without the chapter's launches: the parameters cell and the first code
+#: cell (imports and check_chapter, nothing launched), then ``stub`` standing in for what the chapter measured
+#: before (a distinctive number, so a leak of it shows), then the exercise cells. ``answers``: the variables the
+#: reader sets and a wrong attempt for each; ``reference``: expressions for where the cells leave the answer (else
+#: the reference argument of the cells' check_exercise call, recorded).
+ALL_EXERCISES = {
+    "00_getting_started": dict(stub="launch = lambda fn, n, **kw: [12345.0] * n", answers={"my_prediction": 7},
+                               reference=("exercise_result[0]",)),
+    "01_memory_budgets": dict(stub="zero3 = {'optimizer': 4567891}", answers={"my_optimizer_bytes": 1000},
+                              reference=("measured_opt",)),
+    "02_collectives": dict(answers={"answer_bytes": 3}),
+    "03_data_parallel": dict(stub="psi = 1234567", answers={"answer": 3}),
+    "04_zero_fsdp": dict(answers={"answer": 3.0}),
+    "05_tensor_parallel": dict(stub="tables = {'TP+SP': pd.DataFrame({'where': ['layer0', 'layer1', 'embedding'], "
+                                    "'bytes_per_rank_model': [123456.0, 654321.0, 99.0]})}",
+                               answers={"answer_bytes": 3}),
+    "06_pipeline_parallel": dict(answers={"answer": 0.9}),
+    "07_context_parallel": dict(answers={"answer": 3}),
+    "08_expert_parallel": dict(answers={"answer": 3}),
+    "09_composing_meshes": dict(answers={"answer_pp_group": [1, 2, 3, 4], "answer_dp_link": "inter-node"},
+                                reference=("ref_pp", "ref_link")),
+    "10_serving": dict(answers={"answer_bytes": 3}),
+    "11_scaling": dict(answers={"answer_efficiency": 0.1}),
+}
 
-    module, alias, answer, reference = EXERCISES[name]
-    (exercise,) = _cells(name)[2]
-    ns = {alias: importlib.import_module(module)}
-    exec(exercise, ns)  # unattended (CI): the reference is still computed, silently
+
+def test_every_chapter_has_its_exercise_in_the_no_leak_test():
+    assert sorted(ALL_EXERCISES) == [p.stem for p in CHAPTERS]
+
+
+def _exercise_cells(name):
+    """The code cells after the chapter's Exercise heading, one source."""
+    import re
+
+    cells = nbformat.read(str(notebooks_dir() / f"{name}.ipynb"), 4).cells
+    head = max(i for i, c in enumerate(cells) if c.cell_type == "markdown"
+               and re.search(r"^#+ .*Exercise", c.source, re.M))
+    return "\n".join(c.source for c in cells[head + 1:] if c.cell_type == "code")
+
+
+def _leak_forms(ref) -> set[str]:
+    """How a reference answer could be printed: as written, rounded, with thousands separators."""
+    if isinstance(ref, str):
+        return {ref}
+    if isinstance(ref, (list, tuple)):
+        return {str(list(ref)), str(tuple(ref)), ", ".join(map(str, ref))}
+    x = float(ref)
+    forms = {str(ref), repr(ref), f"{x:g}", f"{x:.2f}", f"{x:.3f}", f"{x:.4g}", f"{x:,}"}
+    if x.is_integer():
+        forms |= {str(int(x)), f"{int(x):,}"}
+    return forms
+
+
+def _with_answers(src, answers):
+    import re
+
+    for var, value in answers.items():
+        value = value.item() if hasattr(value, "item") else value  # a numpy scalar, written as a plain number
+        src, n = re.subn(rf"^{var}\s*=\s*None\b", f"{var} = {value!r}", src, flags=re.M)
+        assert n == 1, f"no line '{var} = None' in the exercise"
+    return src
+
+
+@pytest.mark.parametrize("name", sorted(ALL_EXERCISES))
+def test_exercise_never_prints_the_answer_not_attempted_or_wrong(name, capsys, monkeypatch):
+    """Every chapter: not attempted prints a hint and not the reference; a wrong attempt fails (AssertionError)
+    without printing or raising it; the right answer is accepted. The reference is what the exercise's own check
+    compares with (check_exercise's argument, or the chapter's variables)."""
+    from labkit.chapters import common
+
+    case = ALL_EXERCISES[name]
+    seen = []
+    real = common.check_exercise
+
+    def spy(answer, reference, **kw):
+        seen.append(reference)
+        return real(answer, reference, **kw)
+
+    monkeypatch.setattr(common, "check_exercise", spy)
+    params, first, _ = _cells(name)
+    ns: dict = {}
+    exec(params, ns)
+    exec(first, ns)
+    exec(case.get("stub", ""), ns)
+    capsys.readouterr()
+    exercise = _exercise_cells(name)
+    setup = dict(ns)
+
+    exec(exercise, ns)  # not attempted: the reference is computed (the cell runs its code), never shown
     out = capsys.readouterr().out
-    ref = ns[reference]
-    assert out.startswith("not attempted yet") and "hint" in out
-    assert str(ref) not in out and f"{ref:.3f}" not in out and f"{ref:,}" not in out, out
-    exec(exercise.replace(f"{answer} = None", f"{answer} = {ref!r}"), ns)
-    assert capsys.readouterr().out.strip() == "correct"
+    refs = [eval(r, ns) for r in case["reference"]] if "reference" in case else seen[-1:]
+    assert refs, "the exercise checks against no reference"
+    leaked = [f for ref in refs for f in _leak_forms(ref) if f in out]
+    assert not leaked, f"not attempted, yet the output shows the answer {leaked}: {out}"
+
+    ns = dict(setup)
     with pytest.raises(AssertionError) as wrong:
-        exec(exercise.replace(f"{answer} = None", f"{answer} = 3"), ns)
-    assert str(ref) not in str(wrong.value) and f"{ref:.3f}" not in str(wrong.value)
+        exec(_with_answers(exercise, case["answers"]), ns)
+    text = capsys.readouterr().out + str(wrong.value)
+    leaked = [f for ref in refs for f in _leak_forms(ref) if f in text]
+    assert not leaked, f"a wrong attempt shows the answer {leaked}: {text}"
+    assert "not attempted" in out.lower() and "hint" in out.lower(), out
+
+    right = dict(zip(case["answers"], refs))
+    ns = dict(setup)
+    exec(_with_answers(exercise, right), ns)
+    assert "correct" in capsys.readouterr().out.lower()

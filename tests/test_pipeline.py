@@ -130,13 +130,14 @@ def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def fake(ours, theirs):
+    def fake(ours, theirs, torch_losses=(2.0, 1.9)):
         def run(jobs, pp, **kw):
             out = []
             for i, job in enumerate(jobs):
                 t = (ours if job["impl"] == "labkit" else theirs)[i // 2]
                 steps = {"step_s": [t, t * 1.01], "bubble_fraction": [0.1, 0.1]}
-                out.append(types.SimpleNamespace(job=job, steps=steps))
+                losses = [2.0, 1.9] if job["impl"] == "labkit" else list(torch_losses)
+                out.append(types.SimpleNamespace(job=job, steps=steps, losses=losses))
             return out
         return run
 
@@ -146,6 +147,12 @@ def test_benchmark_exits_nonzero_when_the_goal_is_missed(monkeypatch, capsys):
     assert "= 1.010" in last and "0.990 to 1.040" in last and last.endswith("NOT met")
     monkeypatch.setattr(bench.pl, "run_pipelines", fake([0.09, 0.095, 0.1], [0.1, 0.1, 0.1]))
     assert bench.main(["--rounds", "3"]) == 0
+    assert "losses labkit vs torch: max |diff| 0.00e+00" in capsys.readouterr().out
+    # fast but wrong: ours trains another model (a loss off after the first update) -> no ratio, exit 1
+    monkeypatch.setattr(bench.pl, "run_pipelines", fake([0.05, 0.05, 0.05], [0.1, 0.1, 0.1], (2.0, 1.95)))
+    assert bench.main(["--rounds", "3"]) == 1
+    out = capsys.readouterr()
+    assert "DIFFERENT" in out.out and "ratio" not in out.out and "did not train the same model" in out.err
 
 
 def test_stage_layer_counts():
@@ -201,11 +208,57 @@ def _check_parity(run, ref):
 
 
 def _check_order(run):
-    """Ours executes the schedule's own lists; torch's observed runtime order equals them too."""
+    """What ran, read from each rank's timeline (ours and torch's alike), is the schedule's action list, once per
+    timed step; and every op started after the ops whose outputs it consumes had ended (on the common clock)."""
     want = run.schedule.actions
     for r, got in enumerate(run.order):
-        reps = len(got) // max(1, len(want[r]))
-        assert tuple(got) == want[r] * reps and reps >= 1, (run.job["label"], r)
+        assert tuple(got) == want[r] * run.job["steps"], (run.job["label"], r)
+    assert run.dependency_violations() == [], (run.job["label"], run.dependency_violations()[:3])
+
+
+def _simulated_rank_results(schedule, costs, drop=None, shift_ns=None):
+    """What pipeline_rank would return for a run whose events are the simulator's timeline (step 0), with the
+    old-style ``order`` (the schedule's own list) included: ``drop`` removes the events of one (rank, op),
+    ``shift_ns`` = (rank, op, stage, micro-batch, ns) moves one event earlier."""
+    from labkit.runtime.timeline import COLUMNS
+
+    rows = sim.simulate(schedule, costs).timeline_rows(step=0)
+    per_rank = []
+    for r in range(schedule.p):
+        events = []
+        for row in rows:
+            if row["rank"] != r or (drop and (r, row["name"]) == drop):
+                continue
+            if shift_ns and (r, row["name"], row["stage"], row["microbatch"]) == shift_ns[:4]:
+                row = dict(row, start_ns=row["start_ns"] - shift_ns[4], end_ns=row["end_ns"] - shift_ns[4])
+            events.append(tuple(row[c] for c in COLUMNS))
+        per_rank.append({"events": events, "offset_ns": 0, "step_s": [0.1], "losses": [], "peak_inflight": 1,
+                         "peak_saved_bytes": None, "handles": (1, 1), "order": list(schedule.actions[r]),
+                         "rank": r})
+    return per_rank
+
+
+def test_order_is_read_from_what_ran_not_from_the_schedule_list():
+    """The order a run reports comes from its timeline, so it can differ from the schedule: a run whose W ops never
+    ran (a lost weight-gradient pass) reports no W, and an op that started before its input existed is a
+    dependency violation. (Before, the order was the list the runner iterated: equal to the schedule by
+    construction, whatever ran.)"""
+    job = check_job(dict(schedule="zb-h1", n_microbatches=4, costs=OpCosts(0.01, 0.01, 0.01), steps=1), 2)
+    sched = sim.make_schedule("zb-h1", 2, 4)
+    honest = pl._assemble(job, _simulated_rank_results(sched, job["costs"]), 2)
+    assert honest.order == sched.actions and honest.dependency_violations() == []
+    no_w = pl._assemble(job, _simulated_rank_results(sched, job["costs"], drop=(1, "W")), 2)
+    assert no_w.order[1] != sched.actions[1] and not [a for a in no_w.order[1] if a.op == "W"]
+    assert no_w.order[0] == sched.actions[0]
+    # rank 1's F of stage 1, micro-batch 0 moved 5 ms earlier: before rank 0's F(0, 0) ended
+    early = pl._assemble(job, _simulated_rank_results(sched, job["costs"], shift_ns=(1, "F", 1, 0, 5_000_000)), 2)
+    assert early.order == sched.actions  # same order on each rank, but the timing is impossible
+    bad = early.dependency_violations()
+    assert len(bad) == 1 and "F(stage 1, mb 0) started" in bad[0] and "F(stage 0, mb 0) ended" in bad[0], bad
+    # a B whose input gradient never arrived
+    lost = pl.dependency_violations(no_w.timeline[~((no_w.timeline["name"] == "B") & (no_w.timeline["stage"] == 1)
+                                                    & (no_w.timeline["microbatch"] == 2))], sched)
+    assert any("B(stage 1, mb 2) never did" in v for v in lost), lost
 
 
 def _parity_jobs(p, spec, m):

@@ -61,7 +61,9 @@ def test_mfu_and_cases():
         theory.cases_for(2)
 
 
-def test_predict_train_by_hand_and_pure():
+def test_predict_train_sanity_by_hand_and_pure():
+    """Sanity checks of the arithmetic (the formula's own numbers recombined, not evidence that it is right: that is
+    test_flops_per_token_against_torchs_flop_counter)."""
     spec = get_spec("lab-tiny-llama")
     rows = theory.predict_train("lab-tiny-llama", (1, 4), seq_len=16, strong_total=8, weak_per_rank=2,
                                 peak_flops_per_rank=1e9, cores=2)
@@ -69,6 +71,7 @@ def test_predict_train_by_hand_and_pure():
     fpt = flops_per_token(spec, 16, training=True)
     assert by[("strong", 4)]["tokens"] == 8 * 16 and by[("weak", 4)]["tokens"] == 2 * 4 * 16
     assert by[("strong", 4)]["flops"] == pytest.approx(8 * 16 * fpt)
+    assert by[("strong", 4)]["flops_dense"] + by[("strong", 4)]["flops_attention"] == pytest.approx(8 * 16 * fpt)
     # 4 ranks on 2 cores take turns: a rank's 2 sequences at peak, stretched 2x
     assert by[("strong", 4)]["compute_s_at_peak"] == pytest.approx(2 * 16 * fpt / 1e9 * 2)
     assert by[("strong", 1)]["allreduce_bytes_per_rank"] == 0
@@ -76,6 +79,38 @@ def test_predict_train_by_hand_and_pure():
     assert {r["source"] for r in rows} == {"predicted"}
     with pytest.raises(ValueError, match="world_size=3 does not divide strong_total=8"):
         theory.predict_train(world_sizes=(3,), strong_total=8, peak_flops_per_rank=1e9, cores=2)
+
+
+@pytest.mark.parametrize("name", ["lab-tiny-llama", "lab-tiny-gpt", "lab-tiny-moe"])
+def test_flops_per_token_against_torchs_flop_counter(name):
+    """The formula (PaLM Appendix B: 6N + 12·L·heads·head_dim·T per token, training) against something that does
+    not use it: torch's FlopCounterMode counting the ops of one forward + backward of the lab's model (2·M·N·K per
+    matmul, from the shapes that ran). With eager attention the counter sees the attention matmuls (bmm): they equal
+    the formula's attention term exactly (full T x T, causal masking not subtracted, as PaLM). The weight matmuls
+    come within 2 % under 6N·tokens: N also holds the norm weights and the biases (GPT), parameters that are no
+    matmul (lab-tiny-llama: 576 of 201,280, 0.3 %; lab-tiny-gpt: 1.6 %). With sdpa (what the runs use) CPU's
+    fused kernel is not counted at all: only the weight matmuls are."""
+    import torch
+
+    from labkit.models import SyntheticLM, build_model, lm_loss
+    from labkit.theory.spec import flops_per_token_terms
+
+    spec, seq, batch = get_spec(name), 24, 2
+    tokens, targets = SyntheticLM(spec.vocab_size, seq, 0).batch(0, batch)
+    terms = {k: v * batch * seq for k, v in flops_per_token_terms(spec, seq, training=True).items()}
+    counts = {}
+    for attention in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        net = build_model(spec, seed=0, attention=attention)
+        counts[attention] = scaling.count_flops(lambda net=net: lm_loss(net(tokens), targets).backward())
+    eager, sdpa = counts["eager"], counts["sdpa"]
+    assert eager["flops_counted_attention"] == pytest.approx(terms["attention"], rel=1e-12)
+    assert 0.98 <= eager["flops_counted_matmul"] / terms["dense"] <= 1.0, (eager, terms)
+    assert eager["flops_counted"] / (terms["dense"] + terms["attention"]) == pytest.approx(1.0, abs=0.02)
+    assert sdpa["flops_counted_attention"] == 0.0 and sdpa["flops_counted_matmul"] == eager["flops_counted_matmul"]
+    # a formula off by a term would not pass: without the attention term, or with 4N instead of 6N
+    assert abs(eager["flops_counted"] / terms["dense"] - 1) > 0.02
+    assert eager["flops_counted_matmul"] / (terms["dense"] * 4 / 6) > 1.4
 
 
 def test_bad_input_before_any_launch():
@@ -100,6 +135,12 @@ def test_reference_absent_roundtrip_and_bad_format(tmp_path, monkeypatch):
     back = scaling.load_reference(path)
     assert list(back["speedup"]) == pytest.approx([1.0, 1 / 0.6]) and set(back["gpu"]) == {"NVIDIA H100 80GB HBM3"}
     assert "recorded elsewhere" in back.attrs["status"]
+    # rows that must not become GPU reference numbers: nothing is written (before, anything was)
+    for wrong, match in ((df.assign(backend="gloo"), "backend 'gloo', not nccl"),
+                         (df.assign(time_s=[1.0, float("nan")]), "time_s=nan outside")):
+        with pytest.raises(ValueError, match=match):
+            scaling.write_reference(wrong, {"gpus": []}, tmp_path / "refused.json")
+        assert not (tmp_path / "refused.json").exists()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "other", "rows": []}))
     with pytest.raises(ValueError, match="expected 'labkit.scaling/v1'"):
@@ -116,11 +157,22 @@ def test_real_series_one_and_two_ranks():
     train = df[df["experiment"] == "train"].set_index(["mode", "world_size"])
     assert train.loc[("strong", 1), "tokens"] == train.loc[("strong", 2), "tokens"] == 4 * seq
     assert train.loc[("weak", 2), "tokens"] == 2 * train.loc[("weak", 1), "tokens"] == 4 * seq
+    # sanity (the experiment's formula count recombined, not evidence): flops = tokens x flops_per_token
     per_token = train.loc[("strong", 2), "flops"] / (4 * seq)
     assert per_token == pytest.approx(flops_per_token(get_spec("lab-tiny-llama"), seq, training=True))
+    # independent: torch's FlopCounterMode on the real step (sdpa: only the weight matmuls are counted on CPU)
+    from labkit.theory.spec import flops_per_token_terms
+
+    dense = flops_per_token_terms(get_spec("lab-tiny-llama"), seq)["dense"]
+    for key in train.index:
+        row = train.loc[key]
+        assert 0.98 <= row["flops_counted_matmul"] / (row["tokens"] * dense) <= 1.0, (key, row["flops_counted_matmul"])
+        assert row["flops_counted_attention"] == 0.0
     mm = df[df["experiment"] == "matmul"].set_index(["mode", "world_size"])
     assert mm.loc[("strong", 2), "matmuls"] == 4 and mm.loc[("weak", 2), "matmuls"] == 4
+    assert (mm["flops_counted"] == 2 * 32**3 * mm["matmuls"]).all()  # the counter's 2·M·N·K, by hand
     assert (df["time_s"] > 0).all() and (df["time_min_s"] <= df["time_s"]).all()
+    # sanity (true by definition): the one-rank baseline's speedup is 1
     assert (df.loc[df["world_size"] == 1, "speedup"] == 1.0).all() and (df["threads_per_rank"] == 1).all()
     tl = df.attrs["timelines"][2]
     assert set(tl["rank"]) == {0, 1}

@@ -231,10 +231,45 @@ def test_field_cases_caught(checked):
     assert bias["value"] > 1e-2 and bias["ours"] < 1e-5
     init = by["initialisation per shard (every rank seeds its own shard)"]
     assert init["value"] > 1e-2 and init["ours"] == 0.0
+    assert init["ours_by_layer"] == {"column": 0.0, "row": 0.0, "vocab embedding": 0.0}
     head = by["row-parallel output layer -> vocab-parallel loss"]
     # whole logits on every rank: the shape-trusting loss silently adds ln(tp)
     assert head["value"] == pytest.approx(__import__("math").log(checked["tp"]), rel=1e-4)
     assert "row-parallel" in head["ours"] and "row-parallel" in head["ours_untagged"]
+
+
+def test_init_field_case_fails_when_a_layer_seeds_its_own_shard():
+    """The "initialisation per shard" row is computed, not assumed: with ColumnParallelLinear patched (inside the
+    ranks) to draw each shard from the seed on its own — the field bug — the row is no longer caught, so chapter
+    05's ``assert field.caught.all()`` fails. (Before, ``caught`` was the constant True and "ours" was compared
+    with the helper the layer itself initialises from.)"""
+    from labkit import launch
+
+    def rank(ctx):
+        import torch
+
+        from labkit.experiments import tensor as tpx
+        from labkit.parallel.tensor import layers
+        from labkit.theory.spec import get_spec
+
+        init = layers.ColumnParallelLinear.__init__
+
+        def per_shard(self, *args, seed=0, std=0.02, **kwargs):
+            init(self, *args, seed=seed, std=std, **kwargs)
+            g = torch.Generator().manual_seed(seed)  # the bug: every rank draws its own shard, same seed
+            with torch.no_grad():
+                self.weight.copy_(torch.randn(self.weight.shape, generator=g) * std)
+
+        honest = tpx._field_cases(ctx, get_spec("lab-tiny-gpt"), 2, 16, 0)
+        layers.ColumnParallelLinear.__init__ = per_shard
+        patched = tpx._field_cases(ctx, get_spec("lab-tiny-gpt"), 2, 16, 0)
+        case = "initialisation per shard (every rank seeds its own shard)"
+        return [next(r for r in rows if r["case"] == case) for rows in (honest, patched)]
+
+    honest, patched = launch(rank, 2, echo=False)[0]
+    assert honest["caught"] and honest["ours"] == 0.0
+    assert not patched["caught"] and patched["ours_by_layer"]["column"] > 1e-3, patched
+    assert patched["ours_by_layer"]["row"] == 0.0 and patched["ours_by_layer"]["vocab embedding"] == 0.0
 
 
 def test_sequence_parallel_activation_memory(checked):

@@ -33,7 +33,11 @@ def main(argv=None) -> int:
         ident = records.identity("scaling", world_size=int(df["world_size"].max()), backend=str(df["backend"].iloc[0]))
         ident["n_nodes"] = int(df["n_nodes"].max())
         ident["points"] = list(args.dirs)
-        print(f"recorded: {scaling.write_reference(df, ident, args.record)}")
+        try:
+            print(f"recorded: {scaling.write_reference(df, ident, args.record)}")
+        except ValueError as e:  # a row that must not become reference numbers: nothing written
+            print(f"collect.py: {e}", file=sys.stderr)
+            return 1
     return 0
 
 

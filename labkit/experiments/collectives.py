@@ -448,9 +448,33 @@ def reference_dir() -> Path:
     return data_dir() / "reference" / "collectives"
 
 
+def bad_reference_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a sweep table that must not become GPU reference numbers, each with ``why``: wrong values
+    (``wrong != 0``), a synchronised row that :func:`flag_rows` flagged (flat, or beyond the hardware), or a row
+    not measured on NCCL (a CPU number recorded as a GPU one). Rows timed ``unsynchronised`` on purpose may be
+    flagged: that is what they show. Empty when every row may be recorded."""
+    reasons = []
+    for r in df.itertuples():
+        why = []
+        if r.timing == "synchronised" and isinstance(r.flag, str) and r.flag:
+            why.append(f"flagged: {r.flag}")
+        if r.wrong:
+            why.append(f"{r.wrong} wrong values")
+        if r.backend != "nccl":
+            why.append(f"backend {r.backend}, not nccl")
+        reasons.append("; ".join(why))
+    out = df.assign(why=reasons)
+    return out[out["why"] != ""]
+
+
 def write_reference(df: pd.DataFrame, identity: dict, path: str | Path) -> Path:
     """Write a recorded sweep (format :data:`REFERENCE_FORMAT`: ``{"format", "identity", "rows"}``),
-    atomically. Returns the path."""
+    atomically. Returns the path. Raises ValueError, writing nothing, when a row must not be recorded
+    (:func:`bad_reference_rows`: wrong values, a flagged synchronised row, a row not measured on NCCL)."""
+    bad = bad_reference_rows(df)
+    if len(bad):
+        raise ValueError(f"{len(bad)} row(s) must not be recorded as GPU reference numbers, nothing written: "
+                         + "; ".join(f"{r.op} {r.bytes} B ({r.timing}): {r.why}" for r in bad.itertuples()))
     return records.write_reference_doc(to_rows(df), identity, path, REFERENCE_FORMAT)
 
 

@@ -181,9 +181,11 @@ def summarize(results) -> pd.DataFrame:
 
 GLOO = "bytes per rank per step (model: gloo's algorithms, reduce-scatter sent as an all-reduce)"
 #: per op, bytes one rank sends per byte of S with gloo's CPU algorithms: a ring all-reduce and all-gather,
-#: and a reduce-scatter that runs a whole all-reduce and keeps its shard (chapter 02 measures this)
+#: a reduce-scatter that runs a whole all-reduce and keeps its shard (chapter 02 measures this), an all-to-all
+#: that sends every peer its chunk, and point-to-point: the sender sends S, the receiver nothing
 GLOO_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                "reduce_scatter": lambda n: 2 * (n - 1) / n}
+                "reduce_scatter": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+                "send": lambda n: 1.0, "recv": lambda n: 0.0}
 
 
 def wire_table(results) -> pd.DataFrame:
@@ -209,16 +211,54 @@ def wire_table(results) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+class ParityError(RuntimeError):
+    """Variants that must train the same model did not: a speed ratio between them would mean nothing."""
+
+
+class Throughput(dict):
+    """{label: [measured global tokens/s of each round]}, with ``parity``: one row per checked pair
+    (:func:`same_model_rows`)."""
+
+    parity: list
+
+
+def same_model_rows(losses: dict[str, list[float]], states: dict[str, dict], pairs, *, lr: float,
+                    steps: int) -> list[dict]:
+    """Did each pair ``(a, b)`` of variants train the same model? From the same weights and batches: every
+    step's loss within fp32's :data:`labkit.models.TOLERANCES` (rtol 1e-4, atol 1e-5) and the full weights
+    after ``steps`` AdamW steps within rtol 1e-4, atol 1e-5 + 0.1 * lr * steps (Adam divides each gradient by
+    its running RMS, so a rounding-level gradient difference near eps moves an element by up to lr per step;
+    a wrong gradient moves the weights by far more). One row per pair: ``pair``, ``max_loss_diff``,
+    ``max_weight_diff``, ``same`` (both within tolerance)."""
+    tol = TOLERANCES[torch.float32]
+    w_atol = tol["atol"] + 0.1 * lr * steps
+    rows = []
+    for a, b in pairs:
+        la, lb = losses[a], losses[b]
+        loss_ok = len(la) == len(lb) and all(abs(x - y) <= tol["atol"] + tol["rtol"] * abs(y) for x, y in zip(la, lb))
+        sa, sb = states[a], states[b]
+        keys_ok = set(sa) == set(sb)
+        w_ok = keys_ok and all(torch.allclose(sa[k].float(), sb[k].float(), rtol=tol["rtol"], atol=w_atol) for k in sb)
+        rows.append({"pair": f"{a}/{b}", "max_loss_diff": max((abs(x - y) for x, y in zip(la, lb)), default=0.0),
+                     "max_weight_diff": max_abs_diff(sa, sb) if keys_ok else float("inf"),
+                     "weight_atol": w_atol, "same": bool(loss_ok and w_ok)})
+    return rows
+
+
 def throughput_rank(ctx, wrappers: dict[str, Callable], runs: list[dict], *, model: str = "lab-small-llama",
                     steps: int = 3, repeats: int = 3, warmup_steps: int = 1, global_batch_size: int = 8,
-                    seq_len: int = 128, lr: float = 1e-3, seed: int = 0, data_seed: int = 0,
-                    **wrap_options) -> dict[str, list[float]]:
+                    seq_len: int = 128, lr: float = 1e-3, seed: int = 0, data_seed: int = 0, same_model=(),
+                    **wrap_options) -> Throughput:
     """Rank function for fair speed comparisons: build every run's wrapped model once (same weights, same
     data), warm each up, then time ``steps`` steps of each in turn, ``repeats`` rounds (interleaving spreads
     machine noise over all variants alike). No timeline events; communication is not logged.
 
     ``runs``: dicts with ``variant`` (a key of ``wrappers``), optional ``label`` and builder options.
-    Returns {label: [measured global tokens/s of each round]} (this rank's clock; ranks step together).
+    ``same_model``: pairs of labels that must have trained the same model (:func:`same_model_rows` on every
+    step's loss and the full weights at the end); a pair that did not raises :class:`ParityError` on every
+    rank, so no speed ratio of a variant that trains something else is ever reported.
+    Returns {label: [measured global tokens/s of each round]} (this rank's clock; ranks step together), a
+    :class:`Throughput` whose ``parity`` holds the rows of the checked pairs.
     Raises ValueError for an unknown variant or model, or non-positive steps / repeats / batch sizes.
     """
     from labkit.checks import check_choice
@@ -227,24 +267,38 @@ def throughput_rank(ctx, wrappers: dict[str, Callable], runs: list[dict], *, mod
 
     spec = get_spec(model)
     data = SyntheticLM(spec.vocab_size, seq_len, data_seed)
-    built = []
+    labels = [run.get("label", run.get("variant")) for run in runs]
+    unknown = sorted({x for pair in same_model for x in pair} - set(labels))
+    if unknown:
+        raise ValueError(f"same_model names {', '.join(map(repr, unknown))}, not a run; runs: {', '.join(labels)}")
+    built, losses = [], {}
     for run in runs:
         check_choice("variant", run.get("variant"), list(wrappers))
         options = {**wrap_options, **{k: v for k, v in run.items() if k not in ("variant", "label")}}
         module = build_model(spec, seed, device=ctx.device)
         wrapped, opt = wrappers[run["variant"]](module, ctx, lr=lr, **options)
         label = run.get("label", run["variant"])
-        train_steps(ctx, wrapped, opt, data, steps=1, warmup_steps=warmup_steps, global_batch_size=global_batch_size,
-                    record=False)
+        r = train_steps(ctx, wrapped, opt, data, steps=1, warmup_steps=warmup_steps,
+                        global_batch_size=global_batch_size, record=False)
+        losses[label] = list(r["losses"])
         built.append((label, wrapped, opt))
-    out: dict[str, list[float]] = {label: [] for label, _, _ in built}
+    out = Throughput({label: [] for label, _, _ in built})
     for _ in range(positive_int("repeats", repeats)):
         for label, wrapped, opt in built:
             r = train_steps(ctx, wrapped, opt, data, steps=steps, global_batch_size=global_batch_size, record=False)
             out[label].append(global_batch_size * seq_len * steps / sum(r["step_s"]))
+            losses[label] += r["losses"]
+    states = {label: full_state_dict(wrapped) for label, wrapped, _ in built if any(label in p for p in same_model)}
+    out.parity = same_model_rows(losses, states, same_model, lr=lr, steps=warmup_steps + 1 + repeats * steps)
     for _, wrapped, _ in built:
         if hasattr(wrapped, "close"):
             wrapped.close()
+    bad = [r for r in out.parity if not r["same"]]
+    if bad:
+        raise ParityError("; ".join(f"{r['pair']} did not train the same model (max |loss diff| "
+                                    f"{r['max_loss_diff']:.2e}, max |weight diff| {r['max_weight_diff']:.2e}, "
+                                    f"weights allowed {r['weight_atol']:.1e})" for r in bad)
+                          + ": no speed ratio of a variant that trains something else")
     return out
 
 

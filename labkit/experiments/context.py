@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks import check_divides, positive_int
-from labkit.experiments.common import window
+from labkit.experiments.common import GLOO_FACTORS, window
 from labkit.parallel.context import (
     apply_context_parallel,
     context_parallel_attention,
@@ -29,6 +29,7 @@ from labkit.parallel.context.blocks import _attend, _attend_backward, _new_out_l
 from labkit.runtime import timeline as tl
 from labkit.runtime.commlog import CommLog
 from labkit.runtime.measure import SavedActivations
+from labkit.runtime.probes import socket_bytes_written
 from labkit.theory.context import (
     METHODS,
     check_context_parallel,
@@ -160,7 +161,12 @@ def cp_profile_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 
     bytes, :class:`labkit.runtime.measure.SavedActivations`),
     ``score_entries`` (attention scores the forward kernel computed,
     :func:`labkit.parallel.context.count_work`: a count),
-    ``fwd_bytes`` / ``bwd_bytes`` (bytes this rank sends, from :class:`labkit.runtime.commlog.CommLog`),
+    ``fwd_bytes_model`` / ``bwd_bytes_model`` (a model of the bytes this rank sends: the buffers
+    :class:`labkit.runtime.commlog.CommLog` saw the code issue x the ring factor), ``gloo_model_bytes`` (the same
+    buffers x the factors of gloo's algorithms, :data:`labkit.experiments.common.GLOO_FACTORS`),
+    ``socket_bytes`` (measured: what this process wrote during that forward + backward,
+    :func:`labkit.runtime.probes.socket_bytes_written`, gloo's socket sends; None on CUDA or without
+    /proc/self/io),
     ``kernel_cpu_ns`` (per repeat: CPU time inside the forward and backward block kernels,
     ``count_work``; None on a GPU, where kernels run asynchronously), ``compute_ns`` (per repeat: the
     rank's attention compute events, wall ns), ``cpu_ns`` (per repeat: CPU time of the rank's thread over
@@ -204,8 +210,11 @@ def _profile_config(ctx, i, cfg, groups, full, causal, repeats) -> dict:
 
     args = (q, k, v, dout, method, causal, lb, group)
     _profile_once(*args)  # warm-up
+    before = None if ctx.is_cuda else socket_bytes_written()
     with CommLog() as log, count_work() as work:
         saved_bytes = _profile_once(*args, log=log)
+    after = socket_bytes_written() if before is not None else None
+    gloo_model = sum(r["nbytes"] * GLOO_FACTORS[r["op"]](r["group_size"]) for r in log.records)
     comm = log.to_frame()
     sent = comm.groupby("tag")["bytes_per_rank"].sum() if len(comm) else {}
     compute_ns, iter_ns, cpu_ns, kernel_ns = [], [], [], []
@@ -226,7 +235,9 @@ def _profile_config(ctx, i, cfg, groups, full, causal, repeats) -> dict:
     ctx.barrier()
     return {"config": i, "method": method, "load_balance": lb, "cp": c, "rank": ctx.rank, "cp_rank": gr,
             "causal": causal, "saved_bytes": saved_bytes, "score_entries": work["score_entries"],
-            "fwd_bytes": int(sent.get("forward", 0)), "bwd_bytes": int(sent.get("backward", 0)),
+            "fwd_bytes_model": int(sent.get("forward", 0)), "bwd_bytes_model": int(sent.get("backward", 0)),
+            "gloo_model_bytes": float(gloo_model),
+            "socket_bytes": None if after is None or before is None else after - before,
             "kernel_cpu_ns": None if ctx.is_cuda else kernel_ns, "compute_ns": compute_ns, "cpu_ns": cpu_ns,
             "iter_ns": iter_ns, "window_ns": (w0 - ctx.clock_offset_ns, w1 - ctx.clock_offset_ns)}
 
@@ -275,9 +286,13 @@ def profile_table(result, *, batch: int, n_heads: int, seq_len: int, head_dim: i
     GPU); ``compute_ms`` (wall time of the compute events, median over repeats, measured); ``cpu_ms`` (thread
     CPU time of the whole iteration, minimum over repeats, measured); ``compute_share`` (this rank's
     ``kernel_cpu_ms`` / its group's mean, measured; on a GPU ``compute_ms`` instead) beside
-    ``predicted_share`` (predicted blocks / mean); ``saved_bytes`` beside ``predicted_saved_bytes``;
-    ``sent_bytes`` (forward + backward, measured) beside ``predicted_sent_bytes``
-    (:func:`~labkit.theory.context.predicted_comm_bytes`)."""
+    ``predicted_share`` (predicted blocks / mean); ``saved_bytes`` (measured) beside ``predicted_saved_bytes``;
+    bytes sent per rank, forward + backward: ``sent_bytes_model`` (a model: the buffers the code issued, counted
+    by CommLog, x the ring factor) beside ``predicted_sent_bytes``
+    (:func:`~labkit.theory.context.predicted_comm_bytes`) — equal when the code issues the formula's buffers, a
+    check of the calls, not of the wire —, ``gloo_model_bytes`` (those buffers x gloo's algorithms' factors),
+    ``socket_bytes`` (measured: what the process wrote to gloo's sockets; NaN where not measurable) and
+    ``socket_over_gloo_model`` (measured / gloo model; NaN without communication)."""
     rows = [row for rank_rows in result for row in rank_rows]
     df = pd.DataFrame(rows)
     df["kernel_cpu_ms"] = df["kernel_cpu_ns"].map(lambda xs: min(xs) / 1e6 if xs else float("nan"))
@@ -301,11 +316,14 @@ def profile_table(result, *, batch: int, n_heads: int, seq_len: int, head_dim: i
     df["predicted_share"] = pred_share
     df["predicted_blocks"] = pred_blocks
     df["predicted_saved_bytes"] = pred_saved
-    df["sent_bytes"] = df["fwd_bytes"] + df["bwd_bytes"]
+    df["sent_bytes_model"] = df["fwd_bytes_model"] + df["bwd_bytes_model"]
     df["predicted_sent_bytes"] = pred_sent
+    df["socket_bytes"] = df["socket_bytes"].astype("float64")  # None (not measurable) -> NaN
+    df["socket_over_gloo_model"] = (df["socket_bytes"] / df["gloo_model_bytes"]).where(df["gloo_model_bytes"] > 0)
     cols = ["config", "method", "load_balance", "cp", "rank", "blocks", "predicted_blocks", "kernel_cpu_ms",
             "compute_ms", "cpu_ms", "compute_share", "predicted_share", "iter_ms", "saved_bytes",
-            "predicted_saved_bytes", "fwd_bytes", "bwd_bytes", "sent_bytes", "predicted_sent_bytes"]
+            "predicted_saved_bytes", "fwd_bytes_model", "bwd_bytes_model", "sent_bytes_model", "predicted_sent_bytes",
+            "gloo_model_bytes", "socket_bytes", "socket_over_gloo_model"]
     return df[cols]
 
 

@@ -266,10 +266,14 @@ def dense_vs_moe(spec_name: str = "lab-tiny-moe", *, batch: int = 4, seq_len: in
     token) and the MoE itself. Columns: ``params_predicted`` (:meth:`ModelSpec.n_params`),
     ``params_measured`` (counted in the built module), ``param_bytes`` (fp32, measured),
     ``active_params_predicted`` (:meth:`ModelSpec.n_active_params`), ``flops_per_token_predicted``
-    (forward, :func:`labkit.models.flops_per_token`), ``forward_ms_measured`` (median of ``repeats``
-    forward passes of [batch, seq_len] tokens on one torch thread, after one warm-up).
+    (forward, :func:`labkit.models.flops_per_token`), ``flops_per_token_counted`` (independent of that formula:
+    torch's FlopCounterMode on one forward of the same model and tokens, :func:`labkit.experiments.scaling.
+    count_flops`, with eager attention, whose matmuls the counter sees — on CPU it cannot see inside the fused
+    sdpa kernel), ``forward_ms_measured`` (median of ``repeats`` forward passes of [batch, seq_len] tokens on one
+    torch thread, after one warm-up).
 
     Raises ValueError for an unknown preset or a dense one (:func:`~labkit.theory.expert.moe_spec`)."""
+    from labkit.experiments.scaling import count_flops
     from labkit.models import build_model, flops_per_token
 
     spec_moe = moe_spec(spec_name)
@@ -282,8 +286,10 @@ def dense_vs_moe(spec_name: str = "lab-tiny-moe", *, batch: int = 4, seq_len: in
     try:
         for label, spec in (("dense-active", dense), ("moe", spec_moe)):
             model = build_model(spec, seed).eval()
+            eager = build_model(spec, seed, attention="eager").eval()
             times = []
             with torch.no_grad():
+                counted = count_flops(lambda eager=eager: eager(tokens))["flops_counted"] / tokens.numel()
                 model(tokens)
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -294,6 +300,7 @@ def dense_vs_moe(spec_name: str = "lab-tiny-moe", *, batch: int = 4, seq_len: in
                          "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                          "active_params_predicted": spec.n_active_params(),
                          "flops_per_token_predicted": flops_per_token(spec, seq_len, training=False),
+                         "flops_per_token_counted": counted,
                          "forward_ms_measured": statistics.median(times) * 1e3})
     finally:
         torch.set_num_threads(threads)

@@ -68,7 +68,8 @@ def pipeline_rank(ctx, jobs: Sequence[dict]) -> list[dict]:
     compute), ``peak_inflight`` (most (stage, micro-batch) activation sets held at once), ``peak_saved_bytes``
     (real compute: autograd's saved tensors of those sets, excluding parameters; for ZB-H1 they are
     counted until W, an upper bound, since B frees the graph and only the queued matmuls' inputs stay), ``handles``
-    (p2p handles created / waited), ``order`` (the compute actions as executed), ``grads`` (when asked)."""
+    (p2p handles created / waited), ``grads`` (when asked). The order the ops ran in is read from ``events``
+    (:func:`observed_order`)."""
     out = []
     for job in jobs:
         start = len(ctx.timeline.events)
@@ -155,7 +156,7 @@ def _run_labkit(ctx, job: dict, job_start: int) -> dict:
     step_s, losses = _train(ctx, job, job_start, run_step, params=params, opt=opt, data=data)
     res = {"step_s": step_s, "losses": losses if real else [], "peak_inflight": runner.peak_inflight,
            "peak_saved_bytes": compute.peak_saved_bytes if real else None,
-           "handles": (runner.p2p.created, runner.p2p.waited), "order": list(runner.order), "rank": ctx.rank}
+           "handles": (runner.p2p.created, runner.p2p.waited), "rank": ctx.rank}
     if real and job.get("return_grads"):
         res["grads"] = named_grads(model, stages)
     return res
@@ -170,9 +171,9 @@ def _run_torch(ctx, job: dict, job_start: int) -> dict:
     pipe = TorchPipeline(ctx, sched, stages, lm_loss, micro_batch_size=job["global_batch_size"] // sched.m,
                          seq_len=job["seq_len"], hidden_size=spec.hidden_size, tied=spec.tied_embeddings)
     step_s, losses = _train(ctx, job, job_start, lambda step, batch: pipe.step(*batch, step=step), params=params,
-                            opt=opt, data=data, on_timed_start=pipe.order.clear)
+                            opt=opt, data=data)
     res = {"step_s": step_s, "losses": losses, "peak_inflight": None, "peak_saved_bytes": None, "handles": None,
-           "order": list(pipe.order), "rank": ctx.rank}
+           "rank": ctx.rank}
     if job.get("return_grads"):
         res["grads"] = named_grads(model, stages)
     return res
@@ -206,6 +207,44 @@ def bubble_from_timeline(df: pd.DataFrame, p: int | None = None) -> pd.DataFrame
         rows.append({"step": int(step), "makespan_s": makespan, "busy_s": busy,
                      "bubble_fraction": 1.0 - busy / (p * makespan) if makespan > 0 else 0.0})
     return pd.DataFrame(rows, columns=["step", "makespan_s", "busy_s", "bubble_fraction"])
+
+
+def observed_order(df: pd.DataFrame, rank: int) -> tuple[sim.Action, ...]:
+    """The compute actions ``rank`` ran in the timed steps, read from its timeline: its ``F``/``B``/``W`` events
+    in the order they started (step after step). What the compute recorded as it ran, not the action list the
+    runner was handed: an op that never ran, ran twice or out of turn shows up here."""
+    comp = df[(df["rank"] == rank) & df["name"].isin(COMPUTE_OPS) & (df["step"] >= 0)]
+    comp = comp.sort_values(["step", "start_ns"], kind="stable")
+    return tuple(sim.Action(str(r.name), int(r.microbatch), int(r.stage)) for r in comp.itertuples())
+
+
+def dependency_violations(df: pd.DataFrame, schedule: Schedule) -> list[str]:
+    """Data dependencies the measured run broke, on the run's common clock (one host: CLOCK_MONOTONIC), per
+    timed step: ``F`` of stage s, micro-batch j may start only after ``F(s-1, j)`` ended (its input activation);
+    ``B(s, j)`` only after ``F(s, j)`` and, below the last stage, ``B(s+1, j)`` (its output gradient); ``W(s, j)``
+    only after ``B(s, j)``. A missing producer is a violation too. Independent of the action lists: it reads
+    when each op ran on which rank. Returns one line per violation (empty when the run respected them all)."""
+    comp = df[df["name"].isin(COMPUTE_OPS) & (df["step"] >= 0)]
+    ev = {(int(r.step), str(r.name), int(r.stage), int(r.microbatch)): (int(r.start_ns), int(r.end_ns))
+          for r in comp.itertuples()}
+    last = schedule.n_stages - 1
+    bad = []
+    for (step, op, s, j), (start, _end) in sorted(ev.items()):
+        needs = []
+        if op == "F" and s > 0:
+            needs.append(("F", s - 1))
+        elif op == "B":
+            needs += [("F", s)] + ([("B", s + 1)] if s < last else [])
+        elif op == "W":
+            needs.append(("B", s))
+        for nop, ns in needs:
+            prod = ev.get((step, nop, ns, j))
+            if prod is None:
+                bad.append(f"step {step}: {op}(stage {s}, mb {j}) ran but {nop}(stage {ns}, mb {j}) never did")
+            elif prod[1] > start:
+                bad.append(f"step {step}: {op}(stage {s}, mb {j}) started {(prod[1] - start) / 1e6:.3f} ms before "
+                           f"{nop}(stage {ns}, mb {j}) ended")
+    return bad
 
 
 def costs_from_timeline(df: pd.DataFrame, schedule: Schedule, p2p_s: float = 0.0) -> OpCosts:
@@ -260,7 +299,8 @@ class PipelineRun:
             latency (:func:`hop_latency_from_timeline`): what the runtime's overheads add.
         formula: the textbook bubble (fraction of total time) from :func:`labkit.theory.simulate.bubble_formula`.
         peak_inflight / peak_saved_bytes: per rank (measured); losses: per step (real compute);
-        grads: parameter name -> gradient of the last step (when asked); order: per rank, actions executed.
+        grads: parameter name -> gradient of the last step (when asked); order: per rank, the compute actions
+            it ran in the timed steps, read from its timeline (:func:`observed_order`, measured).
     """
 
     job: dict
@@ -276,6 +316,10 @@ class PipelineRun:
     grads: dict
     order: tuple
     handles: tuple
+
+    def dependency_violations(self) -> list[str]:
+        """:func:`dependency_violations` of this run's timeline (empty: every op ran after its inputs existed)."""
+        return dependency_violations(self.timeline, self.schedule)
 
     @property
     def bubble_measured(self) -> float:
@@ -401,7 +445,7 @@ def _assemble(job: dict, per_rank: list[dict], pp: int) -> PipelineRun:
         peak_inflight=tuple(o["peak_inflight"] for o in per_rank),
         peak_saved_bytes=tuple(o["peak_saved_bytes"] for o in per_rank),
         losses=list(per_rank[last_rank]["losses"]), grads=grads,
-        order=tuple(tuple(o["order"]) for o in per_rank), handles=tuple(o["handles"] for o in per_rank),
+        order=tuple(observed_order(df, r) for r in range(pp)), handles=tuple(o["handles"] for o in per_rank),
     )
 
 

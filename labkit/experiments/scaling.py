@@ -56,9 +56,32 @@ ROW_FIELDS = ("experiment", "mode", "world_size", "work_per_rank", "total_work",
 # ------------------------------------------------------------------------------------------------------
 # experiments (run inside ranks)
 # ------------------------------------------------------------------------------------------------------
+#: op names (torch.utils.flop_counter) of attention's own matmuls: sdpa's fused kernels where the counter knows them
+#: (CUDA), and bmm, which in the lab's model only eager attention issues (q kᵀ and p v)
+ATTENTION_OPS = ("attention", "aten.bmm")
+
+
+def count_flops(fn) -> dict:
+    """Run ``fn()`` under torch's ``FlopCounterMode`` (torch.utils.flop_counter: 2·M·N·K per matmul, forward
+    and backward, counted from the shapes of the ops that actually ran; elementwise ops count nothing).
+    Returns ``flops_counted`` (all), ``flops_counted_attention`` (the ops of :data:`ATTENTION_OPS`) and
+    ``flops_counted_matmul`` (the rest: the matmuls with weights). On CPU the counter has no rule for the fused
+    ``scaled_dot_product_attention`` kernel, so sdpa's attention FLOPs are not in the count there."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    by_op = {str(k): int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    attention = sum(v for k, v in by_op.items() if any(a in k for a in ATTENTION_OPS))
+    total = int(counter.get_total_flops())
+    return {"flops_counted": float(total), "flops_counted_attention": float(attention),
+            "flops_counted_matmul": float(total - attention)}
+
+
 def matmul_experiment(ctx, work: int, size: int = 256):
     """Compute only: ``work`` products of two ``size`` x ``size`` float32 matrices per step, no communication.
-    Counts: ``matmuls``, ``flops`` (2·size³ each)."""
+    Counts: ``matmuls``, ``flops`` (the formula, 2·size³ each) and ``flops_counted`` (torch's FlopCounterMode on
+    one product, x ``work``: :func:`count_flops`)."""
     import torch
 
     work = positive_int("work", work)
@@ -66,6 +89,7 @@ def matmul_experiment(ctx, work: int, size: int = 256):
     g = torch.Generator().manual_seed(ctx.rank)
     a = torch.randn(size, size, generator=g).to(ctx.device)
     b = torch.randn(size, size, generator=g).to(ctx.device)
+    counted = count_flops(lambda: a @ b)["flops_counted"] * work
 
     def step():
         c = a
@@ -73,7 +97,7 @@ def matmul_experiment(ctx, work: int, size: int = 256):
             c = a @ b
         ctx.sync()
         del c
-        return {"matmuls": work, "flops": 2.0 * size**3 * work}
+        return {"matmuls": work, "flops": 2.0 * size**3 * work, "flops_counted": counted}
 
     return step
 
@@ -82,8 +106,11 @@ def train_experiment(ctx, work: int, model: str = "lab-tiny-llama", seq_len: int
                      seed: int = 0):
     """One training step of the lab's model on ``work`` sequences of ``seq_len`` tokens per rank, data
     parallel with ``torch.nn.parallel.DistributedDataParallel`` (gradients all-reduced in buckets during
-    backward), AdamW. Counts: ``sequences``, ``tokens``, ``flops`` (tokens × :func:`labkit.theory.spec.
-    flops_per_token`, training: PaLM Appendix B)."""
+    backward), AdamW. Counts: ``sequences``, ``tokens``, ``flops`` (the formula: tokens ×
+    :func:`labkit.theory.spec.flops_per_token`, training: PaLM Appendix B; the MFU convention) and, independent
+    of it, what torch's FlopCounterMode counted in one forward + backward of this very model on this batch
+    (:func:`count_flops`, before the timed steps: ``flops_counted``, ``flops_counted_matmul``,
+    ``flops_counted_attention``)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from labkit.models import SyntheticLM, build_model, flops_per_token, lm_loss, make_optimizer
@@ -91,11 +118,13 @@ def train_experiment(ctx, work: int, model: str = "lab-tiny-llama", seq_len: int
     work = positive_int("work", work)
     net = build_model(model, seed=seed, device=ctx.device)
     spec = net.spec
-    ddp = DDP(net, device_ids=[ctx.device.index] if ctx.is_cuda else None)
-    opt = make_optimizer(ddp.parameters(), lr)
     data = SyntheticLM(spec.vocab_size, seq_len, seed)
     tokens, targets = data.batch(ctx.rank, work)
     tokens, targets = tokens.to(ctx.device), targets.to(ctx.device)
+    counted = count_flops(lambda: lm_loss(net(tokens), targets).backward())  # the module alone: no DDP hooks yet
+    net.zero_grad(set_to_none=True)
+    ddp = DDP(net, device_ids=[ctx.device.index] if ctx.is_cuda else None)
+    opt = make_optimizer(ddp.parameters(), lr)
     fpt = flops_per_token(spec, seq_len, training=True)
 
     def step():
@@ -105,7 +134,7 @@ def train_experiment(ctx, work: int, model: str = "lab-tiny-llama", seq_len: int
         opt.step()
         ctx.sync()
         n = work * seq_len
-        return {"sequences": work, "tokens": n, "flops": n * fpt}
+        return {"sequences": work, "tokens": n, "flops": n * fpt, **counted}
 
     return step
 
@@ -362,10 +391,32 @@ def reference_dir() -> Path:
     return data_dir() / "reference" / "scaling"
 
 
+def bad_reference_rows(df: pd.DataFrame) -> list[str]:
+    """Why rows of a series must not become a recorded GPU reference: not measured on NCCL (a CPU series would
+    be shown as GPU numbers), or a time that is not a positive number within its own min..max. One line per bad
+    row; empty when every row may be recorded."""
+    import math
+
+    bad = []
+    for r in df.to_dict("records"):
+        what = f"{r.get('experiment')} {r.get('mode')} world_size={r.get('world_size')}"
+        if r.get("backend") != "nccl":
+            bad.append(f"{what}: backend {r.get('backend')!r}, not nccl")
+        t, lo, hi = (float(r.get(k, float("nan"))) for k in ("time_s", "time_min_s", "time_max_s"))
+        if not (math.isfinite(t) and 0 < lo <= t <= hi):
+            bad.append(f"{what}: time_s={t} outside 0 < time_min_s={lo} <= time_s <= time_max_s={hi}")
+    return bad
+
+
 def write_reference(df: pd.DataFrame, identity: dict, path: str | Path) -> Path:
     """Write a measured GPU series as a recorded reference (``{"format", "identity", "rows"}``, format
     :data:`REFERENCE_FORMAT`), atomically. ``identity`` should name the GPUs, nodes, torch/NCCL versions and
-    the git sha (:func:`labkit.runtime.records.identity`)."""
+    the git sha (:func:`labkit.runtime.records.identity`). Raises ValueError, writing nothing, when a row must
+    not be recorded (:func:`bad_reference_rows`)."""
+    bad = bad_reference_rows(df)
+    if bad:
+        raise ValueError(f"{len(bad)} row(s) must not be recorded as a GPU reference series, nothing written: "
+                         + "; ".join(bad))
     keep = [c for c in df.columns if c in ROW_FIELDS or c in ("tokens", "flops", "sequences", "matmuls", "n_nodes")]
     return records.write_reference_doc(df[keep].to_dict("records"), identity, path, REFERENCE_FORMAT)
 

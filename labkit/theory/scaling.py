@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from labkit.checks import check_divides, positive_int
-from labkit.theory.spec import flops_per_token, get_spec
+from labkit.theory.spec import flops_per_token, flops_per_token_terms, get_spec
 
 MODES = ("strong", "weak")
 
@@ -46,7 +46,8 @@ def predict_train(model: str = "lab-tiny-llama", world_sizes: Sequence[int] = (1
     running it, one dict per row:
 
     * ``flops`` — one step over every rank: tokens × :func:`labkit.theory.spec.flops_per_token` (training,
-      PaLM Appendix B);
+      PaLM Appendix B), and its two terms, ``flops_dense`` (tokens × 6N) and ``flops_attention`` (tokens ×
+      12·L·heads·head_dim·T) (:func:`labkit.theory.spec.flops_per_token_terms`);
     * ``compute_s_at_peak`` — one rank's FLOPs at ``peak_flops_per_rank``, slowed by ``n·threads / cores``
       when the ranks need more cores than there are (they take turns): a lower bound on the step time;
     * ``allreduce_bytes_per_rank`` — what DDP's ring all-reduce of the gradients sends per rank per step,
@@ -57,6 +58,7 @@ def predict_train(model: str = "lab-tiny-llama", world_sizes: Sequence[int] = (1
     cores = positive_int("cores", cores)
     threads_per_rank = positive_int("threads_per_rank", threads_per_rank)
     fpt = flops_per_token(spec, seq_len, training=True)
+    terms = flops_per_token_terms(spec, seq_len, training=True)
     rows = []
     for n in world_sizes:
         for case in cases_for(n, strong_total=strong_total, weak_per_rank=weak_per_rank):
@@ -64,6 +66,8 @@ def predict_train(model: str = "lab-tiny-llama", world_sizes: Sequence[int] = (1
             slow = max(1.0, n * threads_per_rank / cores)
             rows.append({"mode": case["mode"], "world_size": n, "work_per_rank": case["work_per_rank"],
                          "tokens": case["total_work"] * seq_len, "flops": case["total_work"] * seq_len * fpt,
+                         "flops_dense": case["total_work"] * seq_len * terms["dense"],
+                         "flops_attention": case["total_work"] * seq_len * terms["attention"],
                          "compute_s_at_peak": per_rank / peak_flops_per_rank * slow,
                          "allreduce_bytes_per_rank": int(2 * (n - 1) / n * spec.n_params() * bytes_per_param),
                          "source": "predicted"})

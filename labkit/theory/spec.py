@@ -213,18 +213,28 @@ def get_spec(name: str, **overrides) -> ModelSpec:
     return spec.replace(**overrides) if overrides else spec
 
 
-def flops_per_token(spec: ModelSpec, seq_len: int, training: bool = True) -> float:
-    """Model FLOPs per token: ``6·N + 12·L·n_heads·head_dim·T`` for training (forward + backward),
-    a third of that for a forward pass alone.
-
-    Source: PaLM (Chowdhery et al. 2022), Appendix B (MFU): N is the parameter count excluding the input
-    embedding lookup (the output head is a matmul and counts), the second term the attention score and
-    value matmuls over the full T x T matrix (causal masking not subtracted, as in PaLM). MoE: N counts only
-    the top_k active experts.
-    """
+def flops_per_token_terms(spec: ModelSpec, seq_len: int, training: bool = True) -> dict[str, float]:
+    """The two terms of :func:`flops_per_token`: ``dense`` = ``6·N`` (training; ``2·N`` forward alone), the
+    matmuls with the weights, and ``attention`` = ``12·L·n_heads·head_dim·T`` (``4·...`` forward alone), the
+    score and value matmuls over the full T x T matrix. Source and conventions: :func:`flops_per_token`."""
     seq_len = positive_int("seq_len", seq_len)
     n = spec.n_active_params() - spec.embedding_params()
     if spec.tied_embeddings:
         n += spec.vocab_size * spec.hidden_size  # the head matmul still happens with tied weights
-    fwd_bwd = 6 * n + 12 * spec.n_layers * spec.n_heads * spec.head_dim * seq_len
-    return float(fwd_bwd if training else fwd_bwd / 3)
+    third = 1 if training else 3
+    return {"dense": float(6 * n / third),
+            "attention": float(12 * spec.n_layers * spec.n_heads * spec.head_dim * seq_len / third)}
+
+
+def flops_per_token(spec: ModelSpec, seq_len: int, training: bool = True) -> float:
+    """Model FLOPs per token: ``6·N + 12·L·n_heads·head_dim·T`` for training (forward + backward),
+    a third of that for a forward pass alone (the two terms: :func:`flops_per_token_terms`).
+
+    Source: PaLM (Chowdhery et al. 2022), Appendix B (MFU): N is the parameter count excluding the input
+    embedding lookup (the output head is a matmul and counts), the second term the attention score and
+    value matmuls over the full T x T matrix (causal masking not subtracted, as in PaLM). MoE: N counts only
+    the top_k active experts. N also holds the norm (and bias) parameters, which are not matmuls: a FLOP
+    counter that counts matmuls finds that much less (tests/test_scaling.py counts the lab's step).
+    """
+    terms = flops_per_token_terms(spec, seq_len, training)
+    return float(terms["dense"] + terms["attention"])

@@ -41,8 +41,10 @@ class ScheduleRunner:
     """Runs this rank's ``schedule.actions[ctx.rank]`` once per :meth:`step`, with ``compute`` doing the ops.
 
     ``ctx``: anything with ``rank``, ``timeline`` and ``now_ns()`` (a RankContext). After each step:
-    ``order`` (the actions executed, in order), ``peak_inflight`` (most (stage, micro-batch) activation sets
-    held at once, over all steps), ``p2p.created`` / ``p2p.waited`` (handles).
+    ``peak_inflight`` (most (stage, micro-batch) activation sets held at once, over all steps),
+    ``p2p.created`` / ``p2p.waited`` (handles). What ran, and in which order, is what the compute recorded on
+    the timeline (its ``F``/``B``/``W`` spans; :func:`labkit.experiments.pipeline.observed_order`), not the
+    list this runner walks.
     """
 
     def __init__(self, ctx, schedule: Schedule, compute):
@@ -50,7 +52,6 @@ class ScheduleRunner:
         self.actions = schedule.actions[ctx.rank]
         self.last_op = schedule.last_backward_op()  # after it a (stage, micro-batch) holds nothing: W in ZB-H1, else B
         self.p2p = P2P(ctx)
-        self.order: list[Action] = []
         self.peak_inflight = 0
 
     def _post_receives(self) -> dict[tuple[str, int, int], tuple]:
@@ -74,7 +75,6 @@ class ScheduleRunner:
         s, m, p2p, rank = self.schedule, self.schedule.m, self.p2p, self.ctx.rank
         recvs = self._post_receives()
         self.compute.prepare(self.actions)
-        self.order = []
         held: dict[tuple[int, int], tuple] = {}  # (stage, micro-batch) -> what its backward needs
         for a in self.actions:
             key = (a.stage, a.microbatch)
@@ -102,7 +102,6 @@ class ScheduleRunner:
             if a.op == self.last_op:
                 held.pop(key, None)
                 self.compute.release(key)
-            self.order.append(a)
         if held or recvs:
             raise RuntimeError(f"rank {rank}: step ended with activations held for {sorted(held)} or receives "
                                f"pending for {sorted(recvs)}; the schedule is incomplete")

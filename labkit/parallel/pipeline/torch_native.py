@@ -30,7 +30,8 @@ class TorchPipeline:
     ``micro_batch_size`` and ``seq_len`` shape the example inputs torch needs to build its p2p buffers
     (tokens [b, T] on stage 0, hidden [b, T, H] elsewhere); ``loss_fn(logits, targets)`` is one micro-batch's
     mean loss (torch averages over micro-batches). ``ctx``: a RankContext (``rank``, ``device``, ``timeline``,
-    ``now_ns()``). After :meth:`step`: ``order`` (the compute actions torch ran, appended step after step).
+    ``now_ns()``). Every per-micro-batch call torch makes is a timeline span (``F``/``B``/``W``), so the order
+    torch ran them in is read from the timeline (:func:`labkit.experiments.pipeline.observed_order`).
     """
 
     def __init__(self, ctx, schedule: Schedule, stages: dict, loss_fn, *, micro_batch_size: int, seq_len: int,
@@ -39,7 +40,6 @@ class TorchPipeline:
         from torch.distributed.pipelining import schedules as S
 
         self.ctx, self.schedule, self.stages, self.tied = ctx, schedule, stages, tied
-        self.order: list[Action] = []
         self.cur_step = -1
         mine = schedule.stages_of(ctx.rank)
         self.has_first, self.has_last = 0 in mine, schedule.n_stages - 1 in mine
@@ -56,7 +56,7 @@ class TorchPipeline:
                            loss_fn=lambda out, tgt: loss_fn(out, tgt))
 
     def _instrument(self, st, stage: int) -> None:
-        """Time torch's per-micro-batch calls into the timeline and note the order they run in."""
+        """Time torch's per-micro-batch calls into the timeline (the order they ran in is the spans' order)."""
         ctx = self.ctx
 
         def wrap(name: str, attr: str, op: str):
@@ -67,9 +67,7 @@ class TorchPipeline:
             def timed(*args, **kwargs):
                 mbi = args[0] if args else kwargs.get(name)
                 with ctx.timeline.span(op, "compute", step=self.cur_step, microbatch=int(mbi), stage=stage):
-                    result = orig(*args, **kwargs)
-                self.order.append(Action(op, int(mbi), stage))
-                return result
+                    return orig(*args, **kwargs)
 
             setattr(st, attr, timed)
 
