@@ -212,8 +212,8 @@ def test_chapter01_at_world_size_3_and_every_number_labelled(tmp_path):
 # ------------------------------------------------------------------------------------------------------
 # chapter 01: every parameter checked before any launch
 # ------------------------------------------------------------------------------------------------------
-CH01 = dict(world_size=2, model="lab-tiny-llama", micro_batch_size=2, seq_len=64, attention="sdpa",
-            big_model="llama-3-70b", device="h100-80gb", timeout_s=240.0)
+CH01 = dict(world_size=2, emulate="dgx-h100", my_prediction=None, model="lab-tiny-llama", micro_batch_size=2,
+            seq_len=64, attention="sdpa", big_model="llama-3-70b", device="h100-80gb", timeout_s=240.0)
 
 
 def test_chapter01_first_cell_validates_every_parameter_through_check_chapter(monkeypatch):

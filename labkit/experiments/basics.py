@@ -110,3 +110,38 @@ def straggler_all_reduce(ctx, work_ms: float = 40.0, steps: int = 3) -> dict:
         with ctx.timer("all_reduce", "comm", step=step, nbytes=t.numel() * t.element_size()):
             dist.all_reduce(t)
     return {"rank": ctx.rank, "reps": reps, "compute_ns": compute_ns}
+
+
+def straggler_steps(ctx, work_ms: float = 40.0, steps: int = 3, compute: str = "matmul") -> dict:
+    """Chapter 00's straggler, with compute that lasts what it says: rank r computes for (r+1) x ``work_ms`` ms,
+    then all-reduces 4 KiB, ``steps`` times (a barrier before each step).
+
+    ``compute="matmul"``: 256 x 256 matmuls until (r+1) x ``work_ms`` ms of wall time have passed since the step
+    began (real work, timed by the clock rather than calibrated, so the duration holds whatever the load);
+    ``compute="sleep"``: ``time.sleep`` of that long — what an emulated run charges as exactly that much work on
+    any hardware (docs/emulation.md). Events: compute "work" and comm "all_reduce", per step. Returns the rank,
+    the matmuls it ran per step, and its measured compute per step (ns)."""
+    from labkit.checks import check_choice
+
+    check_choice("compute", compute, ("matmul", "sleep"))
+    a = torch.randn(256, 256, device=ctx.device)
+    budget_s = (ctx.rank + 1) * work_ms / 1e3
+    reps, compute_ns = [], []
+    for step in range(steps):
+        ctx.barrier()
+        with ctx.timer("work", "compute", step=step):
+            t0 = time.perf_counter()
+            k = 0
+            if compute == "sleep":
+                time.sleep(budget_s)
+            else:
+                while time.perf_counter() - t0 < budget_s:
+                    a = torch.tanh(a @ a)
+                    k += 1
+            ctx.sync()
+            compute_ns.append(int((time.perf_counter() - t0) * 1e9))
+        reps.append(k)
+        t = torch.ones(1024, device=ctx.device)
+        with ctx.timer("all_reduce", "comm", step=step, nbytes=t.numel() * t.element_size()):
+            dist.all_reduce(t)
+    return {"rank": ctx.rank, "reps": reps, "compute_ns": compute_ns}

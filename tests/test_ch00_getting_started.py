@@ -1,0 +1,44 @@
+"""Chapter 00's claims flip with the run: the emulated straggler's wait is explained by the free-communication
+prediction when the work is long, and not when it is shorter than the collective itself."""
+
+import pandas as pd
+import pytest
+
+from labkit.chapters import ch00_getting_started as ch
+
+
+def test_check_chapter_refuses_bad_emulate_and_prediction():
+    good = dict(world_size=2, emulate="dgx-h100", my_prediction=None, work_ms=40.0, steps=3, timeout_s=60.0)
+    ch.check_chapter(**good)
+    ch.check_chapter(**{**good, "emulate": None, "my_prediction": 41.5})
+    with pytest.raises(ValueError, match="cluster=.no-such-cluster. is not valid"):
+        ch.check_chapter(**{**good, "emulate": "no-such-cluster"})
+    with pytest.raises(ValueError, match="my_prediction"):
+        ch.check_chapter(**{**good, "my_prediction": "forty"})
+    with pytest.raises(ValueError, match="world_size=9 cannot be placed"):
+        ch.check_chapter(**{**good, "world_size": 9})
+
+
+def _frame(arrivals_ms, ends_ms):
+    rows = []
+    for r, (a, e) in enumerate(zip(arrivals_ms, ends_ms)):
+        rows.append({"rank": r, "name": "work", "kind": "compute", "start_ns": 0, "end_ns": int(a * 1e6), "step": 0})
+        rows.append({"rank": r, "name": "all_reduce", "kind": "comm", "start_ns": int(a * 1e6),
+                     "end_ns": int(e * 1e6), "step": 0})
+    return pd.DataFrame(rows)
+
+
+def test_last_to_arrive_waits_least_flips():
+    ok = ch.straggler_findings(ch.wait_table(_frame([40, 80], [81, 81])), 40.0)["measured"]
+    assert ok["last_waits_least"] and "In every step the last rank" in ok["sentence"]
+    bad = ch.straggler_findings(ch.wait_table(_frame([40, 80], [41, 95])), 40.0)["measured"]
+    assert not bad["last_waits_least"] and "was NOT the one" in bad["sentence"]
+
+
+@pytest.mark.slow
+def test_emulated_gap_sentence_flips_with_work_ms():
+    long = ch.straggler_run(2, work_ms=40.0, steps=1, emulate="dgx-h100", keep_warm=False)["findings"]["emulated"]
+    short = ch.straggler_run(2, work_ms=0.001, steps=1, emulate="dgx-h100", keep_warm=False)["findings"]["emulated"]
+    assert long["gap_small"] and "explains almost all of the wait" in long["sentence"]
+    assert not short["gap_small"] and "a large part of it" in short["sentence"]
+    assert long["last_waits_least"] and abs(long["rank0_wait_ms"] - 40.0) < 0.1
