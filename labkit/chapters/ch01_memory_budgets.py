@@ -55,9 +55,10 @@ def check_chapter(*, world_size, emulate, my_prediction, model: str, micro_batch
     ranks: one rank shards nothing); ``emulate`` a cluster profile or None (its GPU sizes the large-model tables
     when ``device`` is None); ``my_prediction`` None or a number; ``big_model`` a preset and ``device`` a device
     of data/hardware.yaml or None (the large-model tables); timeout_s > 0; and whatever
-    :func:`check_training_run` refuses for the launch (an unknown or mixture-of-experts ``model`` — its activations are only estimated, so measured cannot equal
-    predicted —, micro_batch_size < 1, seq_len beyond the model's max_seq_len, an unknown ``attention``, or a
-    model this machine's memory cannot hold on ``world_size`` ranks)."""
+    :func:`check_training_run` refuses for the launch (an unknown or mixture-of-experts ``model`` — its
+    activations are only estimated, so measured cannot equal predicted —, micro_batch_size < 1, seq_len beyond
+    the model's max_seq_len, an unknown ``attention``, or a model this machine's memory cannot hold on
+    ``world_size`` ranks)."""
     world_size = check_world_size("01", world_size,
                                   why="DDP replicates and FSDP2 shards over the ranks: one rank shards nothing")
     from labkit.chapters.ch00_getting_started import check_emulate, check_prediction
