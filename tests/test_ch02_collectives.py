@@ -1,0 +1,61 @@
+"""Chapter 02's sentences follow the numbers: the emulated all-reduce is latency-bound at 1 KiB and
+bandwidth-bound at 1 GiB (reduce-scatter + all-gather dearer, then the same), the measured AR vs RS+AG sentence
+and the timing-trap sentence flip with their inputs, and bad emulate settings are refused before any launch."""
+
+import pandas as pd
+import pytest
+
+from labkit.chapters import ch02_collectives as ch
+
+CHAPTER = dict(world_size=4, ops="all", min_size="1K", max_size="4M", factor=8, repeats=5, ar_size="1M",
+               repartition_size="4M", overlap_size="1M", n_matmuls=32, matmul_size=256, backend="gloo",
+               emulate="dgx-h100", emulated_world_size=8, my_prediction=None)
+
+
+def test_check_chapter_refuses_bad_emulate_and_prediction():
+    ch.check_chapter(**CHAPTER)
+    ch.check_chapter(**{**CHAPTER, "emulate": None, "emulated_world_size": 9, "my_prediction": 400})
+    with pytest.raises(ValueError, match="world_size=9 cannot be placed on 'dgx-h100'.*valid world sizes"):
+        ch.check_chapter(**{**CHAPTER, "emulated_world_size": 9})
+    with pytest.raises(ValueError, match="my_prediction"):
+        ch.check_chapter(**{**CHAPTER, "my_prediction": [1, 2]})
+
+
+def test_two_node_cluster_splits_gpus_and_nics():
+    two = ch.two_node_cluster("dgx-h100", 8)
+    assert two.gpus_per_node == 4 and two.nics_per_node == 4 and "2 nodes x 4" in two.name
+    assert ch.two_node_cluster("dgx-h100", 3) is None
+    assert ch.link_peak_gbps("dgx-h100", 8) == pytest.approx(450.0, rel=1e-3)
+    assert ch.link_peak_gbps(two, 8) < 450.0
+
+
+def _ar_table(ar_s, both_s):
+    return pd.DataFrame({"method": ["all_reduce", "reduce_scatter + all_gather"], "time_s": [ar_s, both_s]})
+
+
+def test_ar_rs_ag_sentence_flips():
+    faster = ch.ar_rs_ag_finding(_ar_table(4.61e-3, 2.22e-3), world_size=2, backend="gloo")
+    slower = ch.ar_rs_ag_finding(_ar_table(2.0e-3, 3.0e-3), world_size=2, backend="gloo")
+    same = ch.ar_rs_ag_finding(_ar_table(2.0e-3, 2.05e-3), world_size=2, backend="gloo")
+    assert "faster than one all_reduce" in faster["sentence"] and "match" not in faster["sentence"]
+    assert "slower than one" in slower["sentence"]
+    assert same["same"] and "The times match" in same["sentence"]
+
+
+def test_timing_trap_sentence_flips():
+    rows = lambda sync, unsync: pd.DataFrame({"bytes": [1, 2], "time_s": sync, "time_s_unsync": unsync})  # noqa: E731
+    fast = rows([1.0, 10.0], [0.5, 1.0]).assign(too_fast_x=lambda d: d["time_s"] / d["time_s_unsync"])
+    honest = rows([1.0, 10.0], [1.0, 10.0]).assign(too_fast_x=lambda d: d["time_s"] / d["time_s_unsync"])
+    assert "10.0x too fast" in ch.timing_trap_finding(fast)
+    assert "NOT too fast" in ch.timing_trap_finding(honest)
+
+
+@pytest.mark.slow
+def test_emulated_regime_and_rs_ag_sentences_flip_with_the_size():
+    small = ch.emulated_sweep_run(4, "dgx-h100", sizes=[1024], timeout_s=240)["findings"]
+    large = ch.emulated_sweep_run(4, "dgx-h100", sizes=[2**30], timeout_s=240)["findings"]
+    assert small["regime"][1024] == "latency-bound" and "latency-bound" in small["conclusion"]
+    assert large["regime"][2**30] == "bandwidth-bound" and "bandwidth-bound" in large["conclusion"]
+    assert small["rs_ag_over_ar"][1024] > 1 + ch.SAME_COST and "dearer" in small["conclusion"]
+    assert abs(large["rs_ag_over_ar"][2**30] - 1) <= ch.SAME_COST and "the same cost" in large["conclusion"]
+    assert large["two_node_ratio"] < 1 and "InfiniBand" in large["conclusion"]
