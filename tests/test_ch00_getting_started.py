@@ -42,3 +42,9 @@ def test_emulated_gap_sentence_flips_with_work_ms():
     assert long["gap_small"] and "explains almost all of the wait" in long["sentence"]
     assert not short["gap_small"] and "a large part of it" in short["sentence"]
     assert long["last_waits_least"] and abs(long["rank0_wait_ms"] - 40.0) < 0.1
+
+
+def test_emulate_none_from_the_command_line_turns_emulation_off():
+    assert ch.as_emulate("None") is None and ch.as_emulate(None) is None and ch.as_emulate(False) is None
+    assert ch.as_emulate("dgx-h100") == "dgx-h100"
+    ch.check_chapter(world_size=3, emulate="None", my_prediction=None, work_ms=1.0, steps=1, timeout_s=10.0)

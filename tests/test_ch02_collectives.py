@@ -59,3 +59,16 @@ def test_emulated_regime_and_rs_ag_sentences_flip_with_the_size():
     assert small["rs_ag_over_ar"][1024] > 1 + ch.SAME_COST and "dearer" in small["conclusion"]
     assert abs(large["rs_ag_over_ar"][2**30] - 1) <= ch.SAME_COST and "the same cost" in large["conclusion"]
     assert large["two_node_ratio"] < 1 and "InfiniBand" in large["conclusion"]
+
+
+@pytest.mark.slow
+def test_cluster_panel_reprices_and_redraws():
+    run = ch.emulated_sweep_run(4, "dgx-h100", sizes=[2**20, 2**30], timeout_s=240)
+    panel = ch.cluster_panel(run)
+    before = [tr.y for tr in panel.figure().data if tr.name.startswith("emulated")]
+    panel.children[0].value = "pcie-4090"
+    after = panel.figure()
+    assert "pcie-4090" in after.layout.title.text
+    emu = [tr for tr in after.data if tr.name.startswith("emulated")]
+    assert emu and list(emu[0].y) != list(before[0]), "re-pricing on a slower cluster must change the busbw"
+    assert max(emu[0].y) < 40, "PCIe 4.0 at 32 GB/s cannot give an all-reduce busbw beyond its link"

@@ -33,9 +33,19 @@ def check_prediction(my_prediction) -> None:
             raise ValueError(f"my_prediction={my_prediction!r} must be None, a number or a dict of numbers")
 
 
+def as_emulate(emulate):
+    """``emulate`` as a chapter uses it: None for emulation off — None, False (``labkit run -p emulate=null`` or
+    ``=false``), or the strings ``"None"``, ``"none"``, ``"off"`` and ``""`` — else the value unchanged."""
+    if emulate is None or emulate is False:
+        return None
+    return None if isinstance(emulate, str) and emulate.strip().lower() in ("none", "off", "") else emulate
+
+
 def check_emulate(emulate, world_size: int) -> None:
-    """``emulate`` None (off) or what ``launch(..., emulate=...)`` accepts for ``world_size`` ranks (ValueError
-    from :func:`labkit.runtime.emulate.resolve`, naming the valid profiles or world sizes, otherwise)."""
+    """``emulate`` off (:func:`as_emulate`) or what ``launch(..., emulate=...)`` accepts for ``world_size`` ranks
+    (ValueError from :func:`labkit.runtime.emulate.resolve`, naming the valid profiles or world sizes,
+    otherwise)."""
+    emulate = as_emulate(emulate)
     if emulate is not None:
         from labkit.runtime.emulate import resolve
 
@@ -68,6 +78,7 @@ def straggler_run(world_size: int, *, work_ms: float, steps: int, emulate="dgx-h
     from labkit.experiments.basics import straggler_steps
     from labkit.runtime.launcher import launch
 
+    emulate = as_emulate(emulate)
     res = launch(straggler_steps, world_size, work_ms=work_ms, steps=steps, timeout_s=timeout_s, keep_warm=keep_warm)
     out = {"result": res, "waits": wait_table(res.timeline), "emulated_result": None, "emulated_waits": None,
            "label": None}

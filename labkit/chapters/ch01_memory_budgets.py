@@ -36,6 +36,9 @@ LARGE_TRAIN = dict(micro_batch_size=1, seq_len=8192, n_microbatches=16, recomput
 def device_for(emulate, device) -> str:
     """The device the large-model tables are sized against: ``device`` when given, else the GPU of the
     ``emulate`` cluster profile (``h100-80gb`` for ``dgx-h100``), else ``h100-80gb``."""
+    from labkit.chapters.ch00_getting_started import as_emulate
+
+    emulate = as_emulate(emulate)
     if device is not None:
         return device
     if emulate is None:
@@ -112,11 +115,12 @@ def fsdp_findings(cmp: pd.DataFrame, world_size: int) -> dict:
     s = [f"Model states per rank: DDP {ddp['measured_bytes'] / kib:,.1f} KiB, FSDP2 rank 0 "
          f"{f0['measured_bytes'] / kib:,.1f} KiB (measured): FSDP2 saves {save_m:.2f}x (predicted {save_p:.2f}x) "
          f"on {world_size} ranks, "]
-    if save_m >= 0.98 * world_size:
-        s.append(f"the full {world_size}x of an even split.")
+    if save_m >= 0.98 * world_size and spread == 0:
+        s.append(f"within 2% of the ideal {world_size}x (the rest: AdamW's step counts, one per tensor on every "
+                 "rank).")
     else:
-        s.append(f"short of the ideal {world_size}x: the AdamW step counts stay one per tensor on every rank, and "
-                 "rank 0 holds the largest dim-0 chunk.")
+        s.append(f"{1 - save_m / world_size:.1%} short of the ideal {world_size}x: AdamW's step counts stay one per "
+                 "tensor on every rank" + (", and rank 0 holds the largest dim-0 chunk." if spread else "."))
     if spread == 0:
         s.append(f" Every rank holds the same FSDP2 bytes: {world_size} divides every tensor's first dimension.")
     else:

@@ -77,10 +77,10 @@ def check_chapter(*, world_size: int, ops, min_size, max_size, factor: int, repe
     check_size("reduce_scatter", out["repartition_size"], world_size)
     check_size("all_to_all", out["repartition_size"] // world_size, world_size)
     resolve_backend(backend, world_size)
-    from labkit.chapters.ch00_getting_started import check_emulate, check_prediction
+    from labkit.chapters.ch00_getting_started import as_emulate, check_emulate, check_prediction
 
     check_prediction(my_prediction)
-    if emulate is not None:
+    if as_emulate(emulate) is not None:
         check_emulate(emulate, check_world_size("02", emulated_world_size, why="emulated_world_size: a collective "
                                                 "needs a peer"))
     return {**out, "sweep_sizes": sweep_sizes, "notes": notes}
@@ -196,12 +196,13 @@ def emulated_sweep_run(world_size: int = 8, emulate="dgx-h100", *, ops=EMULATED_
     nodes (:func:`two_node_cluster`). Returns ``{"emulation", "cases", "table"`` (its
     :func:`~labkit.experiments.emulate.sweep_table`), ``"two_nodes"`` (the re-priced table, or None),
     ``"label", "world_size", "findings"`` (:func:`emulated_findings`)}."""
+    from labkit.chapters.ch00_getting_started import as_emulate
     from labkit.experiments.emulate import collectives_rank, sweep_cases, sweep_table
     from labkit.runtime.emulate import resolve
     from labkit.runtime.launcher import launch
 
     cases = sweep_cases(ops, sizes)
-    plan = resolve(emulate, world_size)
+    plan = resolve(as_emulate(emulate) or "dgx-h100", world_size)
     res = launch(collectives_rank, world_size, cases, emulate=plan, timeout_s=timeout_s, echo=False)
     em = res.emulation
     two = two_node_cluster(em.cluster, world_size)
@@ -385,6 +386,13 @@ def timing_trap_finding(cmp: pd.DataFrame) -> str:
     return head + (f"; the wrong times still grow {grow:.1f}x from the smallest size to the largest (gloo starts "
                    "the work at once on a background thread)." if grow > 1.5 else
                    f"; the wrong times barely grow with size ({grow:.1f}x): the clock times the issue, not the work.")
+
+
+def emulation_on(emulate) -> bool:
+    """Whether the chapter's ``emulate`` parameter asks for an emulated run (None and ``"None"`` do not)."""
+    from labkit.chapters.ch00_getting_started import as_emulate
+
+    return as_emulate(emulate) is not None
 
 
 def prediction_numbers(emulated: dict | None, nbytes: int = 2**30) -> dict:
