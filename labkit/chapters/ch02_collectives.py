@@ -177,12 +177,12 @@ SAME_COST = 0.1
 
 def two_node_cluster(profile, world_size: int):
     """``profile`` (a name or Cluster) with ``world_size`` ranks split over 2 nodes (half as many GPUs and NICs
-    per node), named ``"<profile>, 2 nodes x k"``; None when that cannot be (odd world_size, or no inter-node
-    link)."""
+    per node), named ``"<profile>, 2 nodes x k"``; None when that cannot be (odd world_size, no inter-node link)
+    or need not (``world_size`` already spans more than one node of ``profile``)."""
     from labkit.theory.cluster import get_cluster
 
     cl = get_cluster(profile)
-    if world_size % 2 or world_size < 4 or cl.inter is None:
+    if world_size % 2 or world_size < 4 or cl.inter is None or world_size > cl.gpus_per_node:
         return None
     k = world_size // 2
     return cl.replace(gpus_per_node=k, nics_per_node=max(1, cl.nics_per_node * k // cl.gpus_per_node),
@@ -253,8 +253,9 @@ def emulated_findings(run: dict) -> dict:
         word = ("bandwidth-bound" if share >= BANDWIDTH_BOUND else "latency-bound" if share <= LATENCY_BOUND
                 else "between the latency and the bandwidth regime")
         out["regime"][s], out["share"][s] = word, share
-        lines.append(f"At S = {format_size(s)} the all-reduce on {n} GPUs reaches busbw {bus:.3g} GB/s, {share:.3g} "
-                     f"x the {peak:.0f} GB/s link peak ({label}): {word}.")
+        link = run["emulation"].cluster.link_of(range(n))
+        lines.append(f"At S = {format_size(s)} the all-reduce on {n} GPUs ({link}) reaches busbw {bus:.3g} GB/s, "
+                     f"{share:.3g} x the {peak:.0f} GB/s link peak ({label}): {word}.")
         ar, rs, ag = (_at(t, op, s) for op in ("all_reduce", "reduce_scatter", "all_gather"))
         if rs is not None and ag is not None:
             ratio = (rs["time_s"] + ag["time_s"]) / ar["time_s"]
@@ -318,7 +319,8 @@ def busbw_figure(measured: pd.DataFrame | None, emulated: dict | None, *, ops=("
     xs = list(EMULATED_SIZES)
     if emulated is not None:
         n = emulated["world_size"]
-        for table, dash, where in ((emulated["table"], LABEL_DASH["emulated"], "1 node"),
+        nodes = -(-n // emulated["emulation"].cluster.gpus_per_node)
+        for table, dash, where in ((emulated["table"], LABEL_DASH["emulated"], f"{nodes} node{'s' * (nodes > 1)}"),
                                    (emulated.get("two_nodes"), "dot", "2 nodes")):
             if table is None:
                 continue
@@ -353,7 +355,7 @@ def cluster_panel(emulated: dict, measured: pd.DataFrame | None = None):
     from labkit.widgets import show_in
 
     em, n = emulated["emulation"], emulated["world_size"]
-    names = [k for k, c in clusters().items() if n <= c.gpus_per_node]
+    names = [k for k, c in clusters().items() if n in c.valid_world_sizes(n)]
     pick = w.Dropdown(options=names, value=em.cluster.name if em.cluster.name in names else names[0],
                       description="cluster")
     out, state = w.Output(), {}
