@@ -66,3 +66,8 @@ def test_step_time_findings_name_dtensor_overhead_only_when_it_is_slower_than_ha
     assert "same collectives as the hand-written TP" in slow and "3.38x of hand's step" in slow
     even = ch.step_time_findings({"tp1": [0.09], "hand": [0.08], "dtensor": [0.081]}, 2)
     assert "same collectives" not in even
+
+
+def test_the_string_none_is_refused_with_the_command_line_spelling():
+    with pytest.raises(ValueError, match="-p emulate=null"):
+        ch.check_chapter(world_size=2, emulate="None")

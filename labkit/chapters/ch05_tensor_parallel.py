@@ -75,6 +75,9 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, emulate_tp=No
     check_fits_in_memory(spec, n, copies=4, what="chapter 05")
     if my_prediction is not None and not isinstance(my_prediction, (int, float)):
         raise ValueError(f"my_prediction={my_prediction!r} must be None or a number (a ratio of step times)")
+    if isinstance(emulate, str) and emulate.strip().lower() in ("none", "null", ""):
+        raise ValueError(f"emulate={emulate!r} is a string: to turn emulation off pass emulate=None in Python, "
+                         "or -p emulate=null on the command line")
     etp = None
     if emulate is not None:
         etp = _check_emulated(emulate, emulate_tp, emulate_model, emulate_seq_len, spec)
@@ -362,22 +365,20 @@ def prediction_inputs(rows: list[dict]) -> dict:
 
 
 def nodes_figure(rows: list[dict], as_model: str, tp: int):
-    """The headline: emulated step per placement, split into compute and TP communication, beside the
-    predicted step (compute at peak x efficiency + 4L all-reduces)."""
+    """The headline: the emulated step per placement beside the predicted one (compute at peak x efficiency +
+    4L all-reduces); each bar says what share of it the TP all-reduces take."""
     import plotly.graph_objects as go
 
     from labkit.style import label_color
 
     x = [r["placement"] for r in rows]
-    emu = rows[0]["label"].split(",")[0] + f", as {as_model})"
+    emu = rows[0]["label"]
+    pred = "predicted (compute + 4L all-reduces)"
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=x, y=[r["compute_s"] * 1e3 for r in rows], name=f"{emu}: compute", offsetgroup="e",
-                         marker_color=label_color(emu)))
-    fig.add_trace(go.Bar(x=x, y=[r["comm_s"] * 1e3 for r in rows], name=f"{emu}: TP all-reduces",
-                         offsetgroup="e", base=[r["compute_s"] * 1e3 for r in rows], marker_color="#F58518"))
-    name = "predicted (compute + 4L all-reduces)"
-    fig.add_trace(go.Bar(x=x, y=[r["predicted_step_s"] * 1e3 for r in rows], name=name, offsetgroup="p",
-                         marker_color=label_color(name)))
+    for name, step, comm in ((emu, "step_s", "comm_s"), (pred, "predicted_step_s", "predicted_comm_s")):
+        fig.add_trace(go.Bar(x=x, y=[r[step] * 1e3 for r in rows], name=name, marker_color=label_color(name),
+                             text=[f"{r[step] * 1e3:.0f} ms, {r[comm] / r[step]:.0%} all-reduces" for r in rows],
+                             textposition="outside"))
     fig.update_layout(barmode="group", yaxis_title="ms per training step",
                       title=f"One TP training step of {as_model} at tp={tp}: the group inside one node (NVLink) vs "
                             "spread over nodes (InfiniBand)")
