@@ -87,3 +87,13 @@ def test_schedule_panel_redraws():
     before = str(out.outputs)
     controls[0].value = "zb-h1"
     assert str(out.outputs) != before and "zb-h1" in str(out.outputs)
+
+
+def test_the_string_none_is_refused_with_the_command_line_spelling():
+    with pytest.raises(ValueError, match="-p emulate=null"):
+        ch.check_chapter(world_size=2, emulate="None")
+
+
+def test_balance_findings_says_how_much_longer_the_pipeline_computed():
+    text = ch.balance_findings([1e-3, 1e-3, 1e-3, 5e-3], (2, 2), (3, 1), [2.0, 60.0], [3.0, 40.0], 0.10, 0.12, m=2)
+    assert "computed 5.0x longer per step than m = 2 micro-batches" in text

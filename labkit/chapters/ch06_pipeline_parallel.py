@@ -57,7 +57,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatche
     """Chapter 06's parameters, all checked before any launch (the chapter's first cell after its parameters).
 
     Resolves the defaults (``n_microbatches`` None -> pp, the fewest every schedule runs with, where the bubble
-    is largest; ``global_batch_size`` None -> 2·m) and checks,
+    is largest; ``global_batch_size`` None -> m, one sequence per micro-batch) and checks,
     each with a ValueError naming the value and the fix: world_size = pp >= 2; m enough for every schedule and
     a multiple of pp (interleaved); every sweep factor k a positive integer (m = k·pp); op_ms, bubble_tol
     (below 1) and timeout_s positive; steps >= 1; a dense, known ``spec_name`` with ``vocab_size`` and
@@ -73,6 +73,9 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatche
     from labkit.theory.spec import get_spec
 
     p = check_world_size("06", world_size, why="a pipeline needs at least two stages, one per rank")
+    if isinstance(emulate, str) and emulate.strip().lower() in ("none", "null", ""):
+        raise ValueError(f"emulate={emulate!r} is a string: to turn emulation off pass emulate=None in Python, "
+                         "or -p emulate=null on the command line")
     if emulate is not None:
         from labkit.runtime.emulate import resolve
 
@@ -85,7 +88,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatche
         raise ValueError(f"my_prediction={my_prediction!r} must be None, a number (the bubble, fraction of total "
                          "time) or a dict of numbers")
     m = positive_int("n_microbatches", n_microbatches) if n_microbatches is not None else _min_chapter_microbatches(p)
-    gbs = positive_int("global_batch_size", global_batch_size) if global_batch_size is not None else 2 * m
+    gbs = positive_int("global_batch_size", global_batch_size) if global_batch_size is not None else m
     problem = _microbatch_problem(p, m, gbs)
     if problem:
         valid = chapter_microbatches(p, gbs)
@@ -314,11 +317,12 @@ def stage_busy_ms(run) -> list[float]:
 
 def balance_findings(layer_s: Sequence[float], equal: Sequence[int], balanced: Sequence[int],
                      eq_busy_ms: Sequence[float], bal_busy_ms: Sequence[float], eq_step_s: float, bal_step_s: float,
-                     *, near: float = 0.05) -> str:
+                     *, m: int | None = None, near: float = 0.05) -> str:
     """Why the balanced split did or did not pay, from the numbers: the slowest stage predicted from the layer
     times measured in one process (``layer_s``, s per layer) for each split, the busiest rank's F/B/W time per
     step measured in the pipeline runs (``*_busy_ms``), and the two median step times. ``near``: relative
-    difference treated as "about the same"."""
+    difference treated as "about the same"; ``m`` (micro-batches per step) lets it say how much longer the busiest
+    rank computed in the pipeline than the isolated layer times predict."""
     equal, balanced = tuple(equal), tuple(balanced)
     if equal == balanced:
         return (f"balance_layers kept the equal split {equal}: the measured layer times are even enough that "
@@ -331,17 +335,18 @@ def balance_findings(layer_s: Sequence[float], equal: Sequence[int], balanced: S
             f"computed {me:.1f} ms per step with the equal split and {mb:.1f} ms with the balanced one, and the "
             f"step took {eq_step_s * 1e3:.1f} vs {bal_step_s * 1e3:.1f} ms (measured).")
     ratio = bal_step_s / eq_step_s
+    slower_inside = (f" (the busiest rank computed {me / (m * pe):.1f}x longer per step than m = {m} micro-batches of "
+                     "its isolated layer times predict)" if m else "")
     if ratio < 1 - near:
         return text + f" Balancing paid: the step is {1 - ratio:.0%} shorter."
     if mb >= me * (1 - near):
         why = ("the split chosen from isolated layer times did not lighten the busiest rank in the run: inside the "
-               "pipeline the layers did not cost what they cost alone in one process (ranks share the cores, and "
-               "each stage's first and last layers pay for the hops), so the prediction the split was chosen from "
-               "does not hold here.")
+               "pipeline the layers did not cost what they cost alone in one process" + slower_inside + ", so the "
+               "prediction the split was chosen from does not hold here.")
     else:
-        why = ("the busiest rank did get lighter, yet the step did not follow: with ops of a millisecond or so, "
-               "what does not depend on the split (p2p hops, Python per op, the optimizer, ranks waiting for a "
-               "core) sets the step.")
+        why = ("the busiest rank did get lighter, yet the step did not follow: what does not depend on the split "
+               "(p2p hops, Python per op, the optimizer, ranks waiting for a core" + slower_inside + ") sets the "
+               "step.")
     verdict = "slower" if ratio > 1 + near else "about as fast"
     return text + f" The balanced split ran {verdict} ({ratio:.2f}x the equal split's step): " + why
 
