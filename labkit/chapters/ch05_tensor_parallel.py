@@ -175,9 +175,13 @@ def step_time_findings(step_s: dict, tp: int, *, near: float = 0.1) -> str:
         (slower if speedup < 1 - near else faster if speedup > 1 + near else []).append(v)
     text = (f"Measured median step time: tp1 {base * 1e3:.1f} ms; at tp={tp}: " + ", ".join(parts)
             + " (speedup vs tp1 in brackets).")
-    if slower:
-        text += (f" {', '.join(slower)} ran slower than one rank: in this run the collectives TP adds to every "
+    dispatch = ("hand" in step_s and "dtensor" in slower and "hand" not in slower)  # same collectives as hand
+    comm_slower = [v for v in slower if not (dispatch and v == "dtensor")]
+    if comm_slower:
+        text += (f" {', '.join(comm_slower)} ran slower than one rank: in this run the collectives TP adds to every "
                  "layer cost more than the arithmetic it split.")
+    if dispatch:
+        text += " dtensor ran slower than one rank although the hand-written TP did not."
     if faster:
         text += f" {', '.join(faster)} ran faster than one rank: the split arithmetic outweighed the collectives."
     if "hand" in step_s and "dtensor" in step_s and median(step_s["dtensor"]) > median(step_s["hand"]) * (1 + near):
