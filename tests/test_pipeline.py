@@ -93,7 +93,7 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch(no_launch):
         ch.check_chapter(world_size=1)
     with pytest.raises(ValueError, match=r"n_microbatches=4 does not divide global_batch_size=6.*"
                                          r"pass every rule with global_batch_size=6 on pp=2: 2, 6$"):
-        ch.check_chapter(world_size=2, global_batch_size=6)
+        ch.check_chapter(world_size=2, n_microbatches=4, global_batch_size=6)
     with pytest.raises(ValueError, match=r"n_microbatches=3 does not suit every schedule.*multiple of pp=2.*: 2, 6$"):
         ch.check_chapter(world_size=2, n_microbatches=3, global_batch_size=6)
     with pytest.raises(ValueError, match=r"n_microbatches=1 does not suit every schedule.*>= 2"):
@@ -113,7 +113,7 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch(no_launch):
     with pytest.raises(ValueError, match=r"seq_len=4096 exceeds"):
         ch.check_chapter(world_size=2, seq_len=4096)
     plan = ch.check_chapter(world_size=3, sweep=[1, 2])
-    assert (plan["pp"], plan["n_microbatches"], plan["global_batch_size"]) == (3, 6, 12)
+    assert (plan["pp"], plan["n_microbatches"], plan["global_batch_size"]) == (3, 3, 3)  # m = pp, one per micro-batch
     assert plan["sweep_microbatches"] == [3, 6] and plan["spec"].n_layers == 6
     assert ch.check_chapter(world_size=2, n_microbatches=8, global_batch_size=16)["sweep_microbatches"] == [2, 4, 8]
 
