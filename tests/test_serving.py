@@ -153,10 +153,9 @@ def test_predict_deployments_by_hand():
 
 
 GPU_SIZES = {"gpus": 8, "gpu": "h100-80gb", "concurrency": 64, "prompt_len": 1024, "output_len": 256}
-CHAPTER = {"world_size": 2, "model": None, "n_requests": 16, "short_prompt": 16, "long_prompt": 96, "output_len": 16,
+CHAPTER = {"world_size": 2, "model": None, "n_requests": 16, "prompts": (16, 96), "output_len": 16,
            "ramp": None, "cancel_step": 4, "lose_at_step": 3, "detect_timeout_s": 1.0, "backend": "auto",
-           "big_model": "llama-2-13b", "gpus": 8, "gpu": "h100-80gb", "concurrency_gpu": 64, "prompt_len_gpu": 1024,
-           "output_len_gpu": 256}
+           "big_model": "llama-2-13b", "gpus": 8, "gpu": "h100-80gb", "concurrency_gpu": 64, "lens_gpu": (1024, 256)}
 
 
 def test_deployments_that_do_not_fit_carry_no_timing():
