@@ -63,6 +63,6 @@ def test_emulated_crossover_run_is_labelled_and_tp_pays_its_all_reduces():
     emu = ch.run_emulated(2, model="lab-tiny-llama", emulate="dgx-h100")
     t = emu["emulated"]
     assert emu["label"] == "emulated (dgx-h100)" and set(t["source"]) == {"emulated (dgx-h100)"}
-    assert len(t) == 2 * 4 and (t["throughput_tok_s"] > 0).all()
+    assert len(t) == 2 * 3 and (t["throughput_tok_s"] > 0).all()
     assert "below replicas' at every concurrency" in ch.replicas_vs_tp(t, emu["label"])
     assert ch.run_emulated(2, model="lab-tiny-llama", emulate=None) is None

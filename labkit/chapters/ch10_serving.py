@@ -48,7 +48,7 @@ def check_chapter(*, world_size: int, model: str | None, n_requests: int, prompt
     if my_prediction is not None and (isinstance(my_prediction, bool) or not isinstance(my_prediction, (int, float))
                                       or not my_prediction > 0):
         raise ValueError(f"my_prediction={my_prediction!r}: give a number of sequences in flight (e.g. 256), or None")
-    if emulate is not None:
+    if emulate not in (None, False, ""):  # "" and False (as `labkit run -p emulate=` gives) mean off, like None
         from labkit.runtime.emulate import resolve
 
         resolve(emulate, world_size)
@@ -262,7 +262,7 @@ def cluster_gpu(emulate) -> tuple[str, str | None]:
     dict with ``cluster``); ``(default gpu, None)`` when emulate is None."""
     from labkit.theory.cluster import get_cluster
 
-    if emulate is None:
+    if emulate in (None, False, ""):
         return "h100-80gb", None
     c = get_cluster(emulate["cluster"] if isinstance(emulate, dict) else emulate)
     return getattr(c.device, "name", c.device), getattr(c.intra, "name", c.intra)
@@ -455,7 +455,7 @@ def run_emulated(world_size: int, *, model: str, emulate, kernel_overhead_s: flo
     ``emulate`` is None (emulation off)."""
     from labkit.experiments.serving_crossover import run_crossover
 
-    if emulate is None:
+    if emulate in (None, False, ""):
         return None
     emu = dict(emulate) if isinstance(emulate, dict) else {"cluster": emulate}
     emu.setdefault("kernel_overhead_s", kernel_overhead_s)

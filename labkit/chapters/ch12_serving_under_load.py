@@ -56,7 +56,7 @@ def check_chapter(*, world_size, emulate="dgx-h100", my_prediction=None, model=N
         raise ValueError(f"my_prediction={my_prediction!r}: give a positive number (replicas' knee / TP's knee, "
                          "e.g. 2.0), or None")
     gpu = None
-    if emulate is not None:
+    if emulate not in (None, False, ""):  # "" and False (as `labkit run -p emulate=` gives) mean off, like None
         from labkit.runtime.emulate import resolve
 
         gpu = getattr(resolve(emulate, world_size).cluster.device, "name", None)

@@ -37,12 +37,13 @@ def crossover_rank(ctx, plan: dict) -> dict:
 
 
 def default_concurrencies(world_size: int) -> list[int]:
-    """world_size x (1, 2, 4, 8): total concurrencies the replicas can share evenly."""
-    return [world_size * k for k in (1, 2, 4, 8)]
+    """world_size x (1, 2, 4): total concurrencies the replicas can share evenly (kept short: an emulated
+    launch traces every operation)."""
+    return [world_size * k for k in (1, 2, 4)]
 
 
 def make_crossover_plan(world_size: int, *, model: str, concurrencies=None, prompt_len: int = 16,
-                        output_len: int = 8, n_requests: int | None = None) -> dict:
+                        output_len: int = 6, n_requests: int | None = None) -> dict:
     """The plan :func:`crossover_rank` runs. ``concurrencies`` default :func:`default_concurrencies`;
     ``n_requests`` default the largest concurrency (every request in flight at the top). Raises ValueError for
     a concurrency that is not a multiple of world_size, or sizes < 1."""
@@ -74,7 +75,7 @@ def spans_throughput(frame: pd.DataFrame, plan: dict, source: str) -> pd.DataFra
 
 
 def run_crossover(world_size: int, *, model: str, emulate="dgx-h100", concurrencies=None, prompt_len: int = 16,
-                  output_len: int = 8, n_requests: int | None = None, timeout_s: float = 300.0) -> dict:
+                  output_len: int = 6, n_requests: int | None = None, timeout_s: float = 300.0) -> dict:
     """One emulated launch of :func:`crossover_rank`. Returns ``{"emulated": table, "label", "plan",
     "wall_s"}`` with ``table`` from :func:`spans_throughput` on the emulated timeline (source = the
     emulation's label, e.g. ``"emulated (dgx-h100)"``)."""
