@@ -153,10 +153,9 @@ def test_predict_deployments_by_hand():
 
 
 GPU_SIZES = {"gpus": 8, "gpu": "h100-80gb", "concurrency": 64, "prompt_len": 1024, "output_len": 256}
-CHAPTER = {"world_size": 2, "model": None, "n_requests": 16, "short_prompt": 16, "long_prompt": 96, "output_len": 16,
+CHAPTER = {"world_size": 2, "model": None, "n_requests": 16, "prompts": (16, 96), "output_len": 16,
            "ramp": None, "cancel_step": 4, "lose_at_step": 3, "detect_timeout_s": 1.0, "backend": "auto",
-           "big_model": "llama-2-13b", "gpus": 8, "gpu": "h100-80gb", "concurrency_gpu": 64, "prompt_len_gpu": 1024,
-           "output_len_gpu": 256}
+           "big_model": "llama-2-13b", "gpus": 8, "gpu": "h100-80gb", "concurrency_gpu": 64, "lens_gpu": (1024, 256)}
 
 
 def test_deployments_that_do_not_fit_carry_no_timing():
@@ -505,19 +504,21 @@ def test_chapter_12_refuses_before_launch(monkeypatch):
     import labkit.runtime.launcher
 
     monkeypatch.setattr(labkit.runtime.launcher, "launch", lambda *a, **k: pytest.fail("launched"))
-    params = {"world_size": 2, "model": None, "concurrency": None, "rate_factors": (0.5, 1.0, 3.0), "n_requests": 24,
-              "arrival": "poisson", "trace": None, "short_prompt": (8, 24), "long_prompt": (64, 96),
-              "long_fraction": 0.25, "output_len": (4, 12), "max_tokens": None, "policy_model": "lab-small-llama",
-              "token_budget": 16, "swap_to": "int8", "swap_drain": "finish", "quality_train_steps": 20,
-              "backend": "auto", "big_model": "llama-2-13b", "gpus": 8, "gpu": "h100-80gb", "concurrency_gpu": 64,
-              "prompt_len_gpu": 1024, "output_len_gpu": 256, "target_rate_gpu": 100.0, "my_prediction": None}
-    assert ch12.check_chapter(**params)["model"] == "lab-tiny-llama"
+    params = {"world_size": 2, "emulate": "dgx-h100", "my_prediction": None, "model": None, "concurrency": None,
+              "rate_factors": (0.5, 1.0, 3.0), "n_requests": 24, "workload": None, "policy": None, "swap": None,
+              "quality_train_steps": 20, "gpu_case": None}
+    got = ch12.check_chapter(**params)
+    assert got["model"] == "lab-tiny-llama" and got["gpu"] == "h100-80gb"
+    assert ch12.check_chapter(**{**params, "emulate": None})["gpu"] is None
     for bad, match in ((dict(world_size=1), r"chapter 12 needs world_size >= 2"),
-                       (dict(my_prediction="both"), r"my_prediction='both': answer 'replicas' or 'tp'"),
+                       (dict(my_prediction="both"), r"my_prediction='both': give a positive number"),
                        (dict(rate_factors=(1.0, float("nan"))), r"rate_factors\[1\]"),
-                       (dict(token_budget=0), r"token_budget"), (dict(swap_to="lab-small-llama"), r"vocab_size"),
-                       (dict(target_rate_gpu=0), r"target_rate_gpu"),
-                       (dict(long_prompt=(64, 127)), r"max_seq_len=128")):
+                       (dict(policy={"token_budget": 0}), r"token_budget"),
+                       (dict(swap={"to": "lab-small-llama"}), r"vocab_size"),
+                       (dict(swap={"target": "int8"}), r"swap has unknown key\(s\) target; valid: to, drain"),
+                       (dict(gpu_case={"target_rate": 0}), r"target_rate_gpu"),
+                       (dict(emulate="nope"), r"nope"),
+                       (dict(workload={"long_prompt": (64, 127)}), r"max_seq_len=128")):
         with pytest.raises(ValueError, match=match):
             ch12.check_chapter(**{**params, **bad})
     knees = ch12.gpu_knees("llama-3-70b", gpus=8, gpu="h100-80gb", concurrency=64, prompt_len=1024, output_len=256,

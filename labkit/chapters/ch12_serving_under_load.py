@@ -20,12 +20,60 @@ from labkit.experiments.serving_load import make_load_plan
 from labkit.theory import serving as st
 from labkit.theory.spec import get_spec
 
+WORKLOAD = {"arrival": "poisson", "trace": None, "short_prompt": (8, 24), "long_prompt": (64, 96),
+            "long_fraction": 0.25, "output_len": (4, 12), "max_tokens": None}
+POLICY = {"model": "lab-small-llama", "token_budget": 16}
+SWAP = {"to": "int8", "drain": "finish"}
+GPU_CASE = {"big_model": "llama-2-13b", "gpus": 8, "concurrency": 64, "prompt_len": 1024, "output_len": 256,
+            "target_rate": 100.0}
 
-def check_chapter(*, world_size, model, concurrency, rate_factors, n_requests, arrival, trace, short_prompt,
-                  long_prompt, long_fraction, output_len, max_tokens, policy_model, token_budget, swap_to, swap_drain,
-                  quality_train_steps, backend, big_model, gpus, gpu, concurrency_gpu, prompt_len_gpu, output_len_gpu,
-                  target_rate_gpu, my_prediction) -> dict:
-    """Validate chapter 12's parameters before anything is launched (the chapter's first code cell). Returns
+
+def _group(name: str, value, defaults: dict) -> dict:
+    """``defaults`` updated with the dict ``value`` (None: the defaults); ValueError naming an unknown key."""
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={value!r} must be a dict with keys {', '.join(defaults)}")
+    unknown = sorted(set(value) - set(defaults))
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {', '.join(unknown)}; valid: {', '.join(defaults)}")
+    return {**defaults, **value}
+
+
+def check_chapter(*, world_size, emulate="dgx-h100", my_prediction=None, model=None, concurrency=None,
+                  rate_factors=(0.5, 1.0, 3.0), n_requests=24, workload=None, policy=None, swap=None,
+                  quality_train_steps=20, gpu_case=None, backend="auto") -> dict:
+    """Chapter 12's parameters as the notebook groups them (``workload``: :data:`WORKLOAD`'s keys, ``policy``:
+    :data:`POLICY`'s, ``swap``: :data:`SWAP`'s, ``gpu_case``: :data:`GPU_CASE`'s, each a dict of overrides),
+    validated by :func:`check_flat` before anything is launched. ``emulate``: the cluster profile whose GPU
+    prices the GPU-side knee table (None: that table is skipped; open-loop serving follows real time, so the
+    runs themselves are not emulated — docs/emulation.md "What it cannot represent"). ``my_prediction``: None
+    or a positive number (replicas' knee / TP's knee on these ranks). Returns check_flat's dict plus ``"gpu"``
+    (None when emulate is None) and ``"gpu_case"``."""
+    w, pol, sw = _group("workload", workload, WORKLOAD), _group("policy", policy, POLICY), _group("swap", swap, SWAP)
+    g = _group("gpu_case", gpu_case, GPU_CASE)
+    if my_prediction is not None and (isinstance(my_prediction, bool) or not isinstance(my_prediction, (int, float))
+                                      or not my_prediction > 0):
+        raise ValueError(f"my_prediction={my_prediction!r}: give a positive number (replicas' knee / TP's knee, "
+                         "e.g. 2.0), or None")
+    gpu = None
+    if emulate not in (None, False, ""):  # "" and False (as `labkit run -p emulate=` gives) mean off, like None
+        from labkit.runtime.emulate import resolve
+
+        gpu = getattr(resolve(emulate, world_size).cluster.device, "name", None)
+    out = check_flat(world_size=world_size, model=model, concurrency=concurrency, rate_factors=rate_factors,
+                     n_requests=n_requests, **w, policy_model=pol["model"], token_budget=pol["token_budget"],
+                     swap_to=sw["to"], swap_drain=sw["drain"], quality_train_steps=quality_train_steps,
+                     backend=backend, big_model=g["big_model"], gpus=g["gpus"], gpu=gpu or "h100-80gb",
+                     concurrency_gpu=g["concurrency"], prompt_len_gpu=g["prompt_len"], output_len_gpu=g["output_len"],
+                     target_rate_gpu=g["target_rate"], my_prediction=None)
+    return {**out, "gpu": gpu, "gpu_case": g}
+
+
+def check_flat(*, world_size, model, concurrency, rate_factors, n_requests, arrival, trace, short_prompt,
+               long_prompt, long_fraction, output_len, max_tokens, policy_model, token_budget, swap_to, swap_drain,
+               quality_train_steps, backend, big_model, gpus, gpu, concurrency_gpu, prompt_len_gpu, output_len_gpu,
+               target_rate_gpu, my_prediction) -> dict:
+    """Validate chapter 12's parameters (one keyword each) before anything is launched. Returns
     ``{"plan", "model", "backend", "kwargs"}`` (``kwargs``: what to pass to
     :func:`~labkit.experiments.serving_load.run_load`).
 
@@ -35,7 +83,7 @@ def check_chapter(*, world_size, model, concurrency, rate_factors, n_requests, a
     beyond the model's context, a swap to a model with another vocabulary, a token budget below one token,
     a concurrency that is not a multiple of world_size, an unreadable trace), a model this machine's memory
     cannot hold, a backend it cannot run, the GPU-side sizes (:func:`gpu_knees`), and a ``my_prediction``
-    other than None, "replicas" or "tp"."""
+    other than None, "replicas" or "tp" (the flat form's old question)."""
     from labkit.runtime.launcher import resolve_backend
 
     world_size = check_world_size("12", world_size, why="replicas vs tensor parallelism on the same ranks, and "
@@ -95,7 +143,7 @@ def sweep_figure(sweep: pd.DataFrame, knee: pd.DataFrame, title: str | None = No
         c = palette[i % 3]
         for col, y in ((1, "ttft_p95_s"), (2, "achieved_rps"), (3, "queue_growth_rps")):
             fig.add_trace(go.Scatter(x=g["rate_rps"], y=g[y], mode="lines+markers", line={"color": c},
-                                     name=f"{mode} (measured)", legendgroup=mode, showlegend=col == 1), row=1, col=col)
+                                     name=f"measured, {mode}", legendgroup=mode, showlegend=col == 1), row=1, col=col)
         k = knee[knee["mode"] == mode]
         for name, dash in (("knee_predicted_rps", "dash"), ("knee_forecast_rps", "dashdot"),
                            ("knee_measured_rps", "dot")):
@@ -123,7 +171,7 @@ def policy_figure(classes: pd.DataFrame, title: str | None = None) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, subplot_titles=("inter-token latency p95 (ms)", "TTFT p95 (ms)"))
     for i, (policy, g) in enumerate(classes.groupby("policy", sort=False)):
         for col, y in ((1, "itl_p95_s"), (2, "ttft_p95_s")):
-            fig.add_trace(go.Bar(x=g["kind"], y=g[y] * 1e3, name=f"{policy} (measured)", legendgroup=policy,
+            fig.add_trace(go.Bar(x=g["kind"], y=g[y] * 1e3, name=f"measured, {policy}", legendgroup=policy,
                                  marker_color=("#1f77b4", "#ff7f0e")[i % 2], showlegend=col == 1), row=1, col=col)
     fig.update_layout(barmode="group", title=title or "scheduling: prefill-first vs chunked prefill, per class")
     return fig
@@ -227,3 +275,87 @@ def model_name(plan: dict) -> str:
     """The serving model of a plan, with its size (for the chapter's first print)."""
     spec = get_spec(plan["model"])
     return f"{spec.name}: {spec.n_layers} layers, hidden {spec.hidden_size}, {spec.n_params() / 1e6:.2f} M parameters"
+
+
+# ------------------------------------------------------------------------------------------------------
+# the chapter shape: the reader's guess, the verdicts, the checks
+# ------------------------------------------------------------------------------------------------------
+def knee_ratio(knee: pd.DataFrame, column: str = "knee_measured_rps") -> float | None:
+    """Replicas' knee / TP's knee in ``column`` of :func:`~labkit.experiments.serving_metrics.knee_table`
+    (None when a mode is missing)."""
+    k = knee.set_index("mode")[column]
+    if not {"replicas", "tp"} <= set(k.index) or not k["tp"] > 0:
+        return None
+    return float(k["replicas"] / k["tp"])
+
+
+def policy_verdict(classes: pd.DataFrame) -> str:
+    """One sentence: for which request classes chunked prefill lowered ITL p95 below prefill-first, and which
+    way it moved TTFT p95 (measured)."""
+    c = classes.set_index(["kind", "policy"])
+    kinds = sorted(set(classes["kind"]))
+    lower = [k for k in kinds if c.loc[(k, "chunked"), "itl_p95_s"] < c.loc[(k, "prefill_first"), "itl_p95_s"]]
+    slower = [k for k in kinds if c.loc[(k, "chunked"), "ttft_p95_s"] > c.loc[(k, "prefill_first"), "ttft_p95_s"]]
+    itl = ("for every class" if len(lower) == len(kinds) else
+           f"for {', '.join(lower)} prompts only" if lower else "for no class")
+    ttft = (f"raised TTFT p95 for {', '.join(slower)} prompts" if slower else "raised TTFT p95 for no class")
+    return f"Chunked prefill lowered ITL p95 {itl} and {ttft} (measured)."
+
+
+def quant_verdict(quant: pd.DataFrame) -> str:
+    """One sentence: whether each quantized dtype served faster or slower than fp32 here (TPS p50, measured)."""
+    q = quant.set_index("weight_dtype")
+    parts = []
+    for wd in q.index:
+        if wd == "fp32":
+            continue
+        r = q.loc[wd, "tps_p50"] / q.loc["fp32", "tps_p50"]
+        parts.append(f"{wd} {'slower' if r < 1 else 'faster'} than fp32 ({r:.2f}x TPS p50)")
+    return "On this machine: " + "; ".join(parts) + " (measured)."
+
+
+def sweep_keys() -> list[str]:
+    """The sweep table's key columns (the full table is one click away)."""
+    return ["mode", "rate_rps", "achieved_rps", "saturated_rps", "ttft_p95_s", "queue_growth_rps", "source"]
+
+
+def check_run(run: dict, lost: dict, swap_recs: pd.DataFrame) -> str:
+    """Every check of chapter 12's run (AssertionError naming what is wrong): the knee within its stated
+    tolerance of the prediction and the forecast, the queue and TTFT p95 growing past it, percentiles in order,
+    KV bytes measured = predicted at every step, chunked prefill lowering ITL p95 for both classes, the hot swap
+    losing nothing, and the quantized weights' bytes and quality. Returns "all checks passed"."""
+    sweep, series, classes = run["sweep"], run["series"], run["classes"]
+    k = run["knee"].set_index("mode")
+    # the knee: measured within -50 % / +35 % of the model on the forward passes the server made (below it by the
+    # engine's time outside them and batches not full); the forecast from unloaded costs within a factor 3
+    for mode, r in k.iterrows():
+        assert 0.5 <= r["measured_over_predicted"] <= 1.35, f"{mode}: knee measured {r['knee_measured_rps']:.1f} " \
+            f"vs predicted {r['knee_predicted_rps']:.1f} req/s:\n{run['knee']}"
+        assert 1 / 3 <= r["measured_over_forecast"] <= 3, \
+            f"{mode}: the forecast was off by more than 3x:\n{run['knee']}"
+    for mode, g in sweep.groupby("mode"):
+        g = g.sort_values("rate_rps")
+        lo, hi = g.iloc[0], g.iloc[-1]
+        assert hi["queue_growth_rps"] > lo["queue_growth_rps"] and hi["ttft_p95_s"] > lo["ttft_p95_s"], \
+            f"{mode}: the queue and TTFT p95 should grow past the knee:\n{g}"
+    order = ((sweep["ttft_p50_s"] <= sweep["ttft_p95_s"]) & (sweep["ttft_p95_s"] <= sweep["ttft_p99_s"])
+             & (sweep["itl_p50_s"] <= sweep["itl_p95_s"]) & (sweep["tps_p5"] <= sweep["tps_p50"]))
+    assert order.all(), f"a percentile is out of order:\n{sweep[~order]}"
+    off = series[series["kv_bytes_measured"] != series["kv_bytes_predicted"]]
+    assert off.empty, f"KV bytes measured != predicted at {len(off)} rows:\n{off.head()}"
+    assert (series["kv_bytes_used"] <= series["kv_bytes_measured"]).all(), "more KV written than reserved"
+    c = classes.set_index(["kind", "policy"])["itl_p95_s"]
+    for kind in ("short", "long"):
+        assert c[(kind, "chunked")] < c[(kind, "prefill_first")], \
+            f"{kind}: chunked ITL p95 not below prefill-first:\n{c}"
+    info = run["swap_info"]
+    assert info["swap_s"].notna().all() and (info["swap_s"] > 0).all(), f"a replica did not swap:\n{info}"
+    assert not lost["lost"] and lost["ok"] + lost["cancelled"] == run["swap_requests"], f"requests lost: {lost}"
+    assert (swap_recs["model_version"] == 1).any(), "no request was served after the swap"
+    q = run["quant"].set_index("weight_dtype")
+    assert (q["weight_bytes_measured"] == q["weight_bytes_predicted"]).all(), f"weight bytes off:\n{q}"
+    assert q.loc["int8", "top1_agreement"] >= 0.95, f"int8 changed the top-1 token too often:\n{q}"
+    assert abs(q.loc["int8", "perplexity"] / q.loc["fp32", "perplexity"] - 1) < 0.01, f"int8 perplexity moved:\n{q}"
+    w = q["weight_bytes_measured"]
+    assert w["int4"] < w["int8"] < w["fp32"], f"int4 < int8 < fp32 weight bytes does not hold:\n{q}"
+    return "all checks passed"

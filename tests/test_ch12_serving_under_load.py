@@ -1,0 +1,46 @@
+"""Chapter 12's verdict sentences and the reader's ratio: each flips with the numbers it is computed from."""
+
+import pandas as pd
+import pytest
+
+from labkit.chapters import ch12_serving_under_load as ch
+
+
+def _classes(itl_short, itl_long, ttft_short=1.0, ttft_long=1.0):
+    rows = []
+    for kind, itl, ttft in (("short", itl_short, ttft_short), ("long", itl_long, ttft_long)):
+        rows += [{"policy": "prefill_first", "kind": kind, "itl_p95_s": 0.02, "ttft_p95_s": 0.1},
+                 {"policy": "chunked", "kind": kind, "itl_p95_s": 0.02 * itl, "ttft_p95_s": 0.1 * ttft}]
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("cls, want", [(_classes(0.5, 0.6), "lowered ITL p95 for every class and raised TTFT "
+                                                            "p95 for no class"),
+                                       (_classes(0.5, 1.2, ttft_long=2.0), "for short prompts only and raised "
+                                                                           "TTFT p95 for long prompts"),
+                                       (_classes(1.5, 1.2), "lowered ITL p95 for no class")])
+def test_policy_verdict_follows_the_table(cls, want):
+    assert want in ch.policy_verdict(cls)
+
+
+def test_quant_verdict_says_slower_or_faster_from_the_numbers():
+    def q(int8):
+        return pd.DataFrame({"weight_dtype": ["fp32", "int8"], "tps_p50": [100.0, 100.0 * int8]})
+
+    assert "int8 slower than fp32 (0.50x" in ch.quant_verdict(q(0.5))
+    assert "int8 faster than fp32 (1.50x" in ch.quant_verdict(q(1.5))
+
+
+def test_knee_ratio_above_and_below_one():
+    def k(rep, tp):
+        return pd.DataFrame({"mode": ["replicas", "tp"], "knee_measured_rps": [rep, tp]})
+
+    assert ch.knee_ratio(k(20.0, 10.0)) == 2.0 and ch.knee_ratio(k(5.0, 10.0)) == 0.5
+    assert ch.knee_ratio(pd.DataFrame({"mode": ["replicas"], "knee_measured_rps": [3.0]})) is None
+    text = " ".join(ch.knee_findings(
+        pd.DataFrame({"mode": ["replicas", "tp"], "knee_measured_rps": [5.0, 10.0], "knee_predicted_rps": [5.0, 9.0],
+                      "knee_forecast_rps": [5.0, 9.0], "measured_over_predicted": [1.0, 1.1],
+                      "measured_over_forecast": [1.0, 1.1]}),
+        pd.DataFrame({"mode": ["replicas", "replicas", "tp", "tp"], "rate_rps": [1.0, 9.0, 1.0, 9.0],
+                      "ttft_p95_s": [0.1, 1.0, 0.1, 1.0], "queue_growth_rps": [0.0, 2.0, 0.0, 1.0]})))
+    assert "On these ranks tp sustained the higher rate (10.0 vs 5.0" in text
