@@ -306,16 +306,22 @@ def loop_timeline(df, title: str | None = None):
 
 def estimate_then_measure(loop: dict | None, world_size: int, *, timeout_s: float = 300.0):
     """The loop's emulated runs (:func:`labkit.experiments.mesh_loop.run_loop`) with the planner beside each;
-    None (and one printed line) when emulation is off."""
+    None (and one printed line) when emulation is off. Closes the warm pool of ``world_size`` ranks after."""
     from labkit.experiments import mesh_loop
+    from labkit.runtime.pool import pool_for
 
-    if loop is None:
-        print("emulate=None: no emulated run, so the planner's estimate is not compared with a step of the same "
-              "mesh (set emulate='dgx-h100').")
-        return None
-    return mesh_loop.run_loop(world_size, loop["meshes"], cluster=loop["cluster"], preset=loop["model"],
-                              seq_len=loop["seq_len"], global_batch_size=loop["global_batch_size"],
-                              timeout_s=timeout_s)
+    try:
+        if loop is None:
+            print("emulate=None: no emulated run, so the planner's estimate is not compared with a step of the "
+                  "same mesh (set emulate='dgx-h100').")
+            return None
+        return mesh_loop.run_loop(world_size, loop["meshes"], cluster=loop["cluster"], preset=loop["model"],
+                                  seq_len=loop["seq_len"], global_batch_size=loop["global_batch_size"],
+                                  timeout_s=timeout_s)
+    finally:  # the rest of the chapter runs nothing: give the cores back (re-pricing needs no ranks)
+        pool = pool_for(world_size, "gloo")
+        if pool is not None:
+            pool.close()
 
 
 def loop_question(loop: dict | None) -> str:
