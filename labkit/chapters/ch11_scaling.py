@@ -257,8 +257,9 @@ def efficiency_figure(series: pd.DataFrame, emulated: pd.DataFrame | None = None
                               row=1, col=2)
         gpn = emulated.attrs.get("gpus_per_node")
         if gpn and gpn < emulated["world_size"].max():
-            fig.add_vline(x=gpn * 1.41, line={"color": "#888", "dash": "dot"}, row=1, col=2,
-                          annotation_text=f"node boundary ({gpn} GPUs/node)", annotation_position="bottom")
+            x = gpn * 2**0.5  # halfway (in log) between gpn and 2 gpn: the first size that spans two nodes
+            fig.add_trace(go.Scatter(x=[x, x], y=[0, 1.05], mode="lines", name=f"node boundary ({gpn} GPUs/node)",
+                                     line={"color": "#888", "dash": "dot"}), row=1, col=2)
     fig.update_xaxes(type="log", dtick=0.30103, title="world size n (ranks)")
     fig.update_yaxes(title="efficiency = speedup / (n / n0)", rangemode="tozero")
     fig.update_layout(height=460, title=title or "Strong vs weak scaling efficiency, baseline n0 = 1",
