@@ -132,8 +132,10 @@ def scaling_findings(series: pd.DataFrame, label: str = "measured") -> str:
             out.append(f"{exp} ({label}) at n={n} vs n0={n0}: strong and weak scaling are equally efficient "
                        f"({s:.2f} and {w:.2f}).")
         else:
-            cmp, why = (("below", "each rank's share of the fixed batch shrinks while the all-reduce, the "
-                         "optimizer and per-step overheads do not (Amdahl's serial part)") if s < w else
+            serial = ("the gradient all-reduce does not" if label.startswith("emulated") else
+                      "the all-reduce, the optimizer and per-step overheads do not")
+            cmp, why = (("below", f"each rank's share of the fixed batch shrinks while {serial} (Amdahl's serial "
+                         "part)") if s < w else
                         ("above", "the per-step overheads did not stay fixed here: re-run, and compare time_min_s "
                          "with time_max_s before trusting the order"))
             out.append(f"{exp} ({label}) at n={n} vs n0={n0}: strong-scaling efficiency {s:.2f} is {cmp} weak "
