@@ -41,8 +41,15 @@ def discover(chapters: list[str] | None = None, folder: str | Path | None = None
     return out
 
 
+_PYTHON_LITERALS = {"None": None, "True": True, "False": False}
+
+
 def parse_parameters(pairs: list[str] | None) -> dict:
     """``["world_size=4", "fast=true"]`` -> ``{"world_size": 4, "fast": True}`` (values read as YAML).
+
+    The bare Python literals ``None``, ``True`` and ``False`` mean what they mean in the notebook (as papermill's
+    own ``-p`` reads them), so ``-p emulate=None`` turns emulation off like ``-p emulate=null``; quote them
+    (``-p 'x="None"'``) to pass the string.
 
     Raises ValueError for an item without ``=`` or a value that is not valid YAML (naming the parameter).
     """
@@ -52,7 +59,10 @@ def parse_parameters(pairs: list[str] | None) -> dict:
         if not sep or not name.strip().isidentifier():
             raise ValueError(f"parameter {item!r} must look like name=value (e.g. world_size=4)")
         try:
-            params[name.strip()] = yaml.safe_load(value) if value.strip() else ""
+            if value.strip() in _PYTHON_LITERALS:
+                params[name.strip()] = _PYTHON_LITERALS[value.strip()]
+            else:
+                params[name.strip()] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as e:
             why = " ".join(str(getattr(e, "problem", None) or e).split())
             raise ValueError(f"parameter {name.strip()}: value {value!r} is not valid YAML ({why}); quote it to pass "

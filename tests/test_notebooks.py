@@ -140,6 +140,9 @@ def test_discover_and_parameters_errors(tmp_path):
         notebooks.discover(["7"], folder=tmp_path)
     assert notebooks.parse_parameters(["world_size=4", "fast=true", "name=abc"]) == {
         "world_size": 4, "fast": True, "name": "abc"}
+    # the Python literals mean what they mean in the notebook (as papermill's -p reads them); quoted, a string
+    assert notebooks.parse_parameters(["emulate=None", "a=False", "b=True", "c='None'", "d=null"]) == {
+        "emulate": None, "a": False, "b": True, "c": "None", "d": None}
     with pytest.raises(ValueError, match="name=value"):
         notebooks.parse_parameters(["4"])
 
