@@ -104,3 +104,10 @@ def test_imbalance_figure_labels():
 def test_zigzag_plan_has_every_rank_and_step():
     plan = ch.zigzag_plan(4)
     assert plan.shape == (4, 4) and all(":" in cell for cell in plan.iloc[0])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_parity_shape_divides(world_size):
+    n_heads = ch.check_chapter(world_size=world_size, seq_len=None, n_heads=None, **BASE)["shape"]["n_heads"]
+    s = ch.parity_shape(world_size, n_heads)
+    assert s["seq_len"] % (2 * world_size) == 0 and s["seq_len"] >= 32 and s["n_heads"] % world_size == 0

@@ -403,3 +403,13 @@ def imbalance_figure(table, emulated: dict | None = None):
     fig.update_xaxes(title_text="rank")
     fig.update_yaxes(title_text="work / mean", row=1, col=1)
     return fig
+
+
+def parity_shape(world_size: int, n_heads: int) -> dict:
+    """The attention sizes of chapter 07's parity launch (:func:`labkit.experiments.context.cp_parity_rank`):
+    the chapter's ``n_heads`` (so that Ulysses can split them ``world_size`` ways) and the smallest multiple of
+    2·world_size that is >= 32 tokens (zigzag cuts the sequence into 2·cp chunks)."""
+    import math
+
+    unit = 2 * positive_int("world_size", world_size)
+    return {"n_heads": positive_int("n_heads", n_heads), "seq_len": unit * math.ceil(32 / unit)}

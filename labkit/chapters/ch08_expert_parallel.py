@@ -185,7 +185,8 @@ def a2a_findings(table) -> dict:
 
 
 def a2a_figure(emulated: dict):
-    """All-to-all time per step against ep, one emulated line per router skew, beside the cost model's line for a
+    """All-to-all time per step against ep, one emulated line per router skew (each named by the run's label,
+    in a legend group titled by its skew), beside the cost model's line for a
     uniform router (``predicted (cost model, uniform router)``)."""
     import plotly.graph_objects as go
 
@@ -196,8 +197,8 @@ def a2a_figure(emulated: dict):
     dashes = ["solid", "dot", "dashdot", "longdashdot"]
     for i, (skew, g) in enumerate(t.groupby("skew")):
         g = g.sort_values("ep")
-        name = emulated["label"] if skew == 0 else f"{emulated['label']} skew {skew:g}"
-        fig.add_scatter(x=g["ep"], y=g["a2a_ms"], mode="lines+markers", name=name,
+        fig.add_scatter(x=g["ep"], y=g["a2a_ms"], mode="lines+markers", name=emulated["label"],
+                        legendgroup=f"skew {skew:g}", legendgrouptitle_text=f"router skew {skew:g}:",
                         line={"color": label_color(emulated["label"]), "dash": dashes[i % len(dashes)]})
     g = t[t["skew"] == 0].sort_values("ep")
     pred = "predicted (cost model, uniform router)"
