@@ -333,3 +333,68 @@ def config_timeline(result, config: int):
     start = min(r["window_ns"][0] for r in rows)
     end = max(r["window_ns"][1] for r in rows)
     return window(result.timeline, (start, end)).reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# emulated: the same profile on a named cluster (chapter 07's causal imbalance at cp 4-8)
+# ------------------------------------------------------------------------------------------------------
+def emulated_config_table(result):
+    """Per (config, rank) of a :func:`cp_profile_rank` launch run with ``emulate=...``, on the emulated clock
+    (deterministic): ``compute_ms`` (the rank's attention compute events inside the config's timed window,
+    summed, divided by the repeats), ``window_ms`` (the config's timed window on that rank / repeats: the step as
+    the cluster would run it, waits included) and ``label`` (``emulated (<profile>)``). Raises ValueError for a
+    launch that was not emulated."""
+    em = getattr(result, "emulation", None)
+    if em is None:
+        raise ValueError("emulated_config_table() needs a launch made with emulate=...; this one was not emulated")
+    frame = result.emulated
+    comp = frame[(frame["kind"] == "compute") & (frame["stream"] == "compute")]
+    rows = []
+    for r in (row for rank_rows in result for row in rank_rows):
+        a, b = (em.map_ns(r["rank"], t) for t in r["window_ns"])
+        mine = comp[(comp["rank"] == r["rank"]) & (comp["start_ns"] >= a) & (comp["end_ns"] <= b)]
+        n = len(r["iter_ns"])
+        rows.append({"config": r["config"], "method": r["method"], "load_balance": r["load_balance"],
+                     "cp": r["cp"], "rank": r["rank"],
+                     "compute_ms": (mine["end_ns"] - mine["start_ns"]).sum() / 1e6 / n,
+                     "window_ms": (b - a) / 1e6 / n, "label": em.label})
+    return pd.DataFrame(rows)
+
+
+def emulated_config_timeline(result, config: int):
+    """The emulated timeline (``result.emulated``: compute re-timed, the replay's communication on its
+    ``comm`` stream) of one config of an emulated :func:`cp_profile_rank` launch; ``attrs["label"]`` kept."""
+    em = result.emulation
+    rows = [row for rank_rows in result for row in rank_rows if row["config"] == config]
+    start = min(em.map_ns(r["rank"], r["window_ns"][0]) for r in rows)
+    end = max(em.map_ns(r["rank"], r["window_ns"][1]) for r in rows)
+    frame = result.emulated
+    out = frame[(frame["start_ns"] >= start) & (frame["end_ns"] <= end)].reset_index(drop=True)
+    out.attrs["label"] = em.label
+    return out
+
+
+def cp_step_rank(ctx, configs: list[dict], *, batch: int = 1, n_heads: int = 4, seq_len: int = 1024,
+                 head_dim: int = 32, causal: bool = True, seed: int = 0) -> list[dict]:
+    """Rank function for an emulated run: one forward + backward of CP attention per config (``method``,
+    ``load_balance``; cp = world_size), between barriers, with its events on ``ctx.timeline`` — no warm-up,
+    CommLog or kernel timers (an emulated run charges operations, not this machine's time). Rows as
+    :func:`cp_profile_rank`'s for :func:`emulated_config_table` (``window_ns``, ``iter_ns``). Raises ValueError
+    (before any collective) for a configuration :func:`labkit.theory.context.check_context_parallel` rejects."""
+    for cfg in configs:
+        check_context_parallel(seq_len, ctx.world_size, load_balance=cfg["load_balance"], method=cfg["method"],
+                               n_heads=n_heads)
+    full = [t.to(ctx.device) for t in _qkv(seed, batch, n_heads, seq_len, head_dim)]
+    rows = []
+    for i, cfg in enumerate(configs):
+        lb = cfg["load_balance"]
+        q, k, v, dout = (shard_sequence(t, ctx.world_size, ctx.rank, lb).contiguous() for t in full)
+        ctx.barrier()
+        w0 = tl.now_ns()
+        _profile_once(q, k, v, dout, cfg["method"], causal, lb, None, timeline=ctx.timeline)
+        w1 = tl.now_ns()
+        ctx.barrier()
+        rows.append({"config": i, "method": cfg["method"], "load_balance": lb, "cp": ctx.world_size,
+                     "rank": ctx.rank, "iter_ns": [w1 - w0],
+                     "window_ns": (w0 - ctx.clock_offset_ns, w1 - ctx.clock_offset_ns)})
+    return rows

@@ -225,3 +225,41 @@ def predicted_table(cps, *, batch: int, n_heads: int, seq_len: int, head_dim: in
                          "max_over_mean_naive": max(naive) / (sum(naive) / cp),
                          "max_over_mean_balanced": max(lb) / (sum(lb) / cp)})
     return rows
+
+
+# ------------------------------------------------------------------------------------------------------
+# charging a lab-sized attention run as a real model's attention layer (chapter 07's emulated run)
+# ------------------------------------------------------------------------------------------------------
+def attention_charge(*, model: str = "llama-3-8b", seq_len: int = 8192, lab_seq_len: int, lab_n_heads: int,
+                     lab_head_dim: int, dtype: str = "bf16", lab_dtype: str = "fp32"):
+    """The :class:`labkit.theory.replay.Charge` that makes one run of the lab's context-parallel attention
+    (``lab_n_heads`` heads of ``lab_head_dim``, ``lab_seq_len`` tokens, in ``lab_dtype``) cost what ONE
+    attention layer of ``model`` would at ``seq_len`` tokens in ``dtype`` (forward + backward), for the same cp.
+    Unlike :func:`labkit.theory.replay.model_charge` (whole-model FLOPs per token), only attention is scaled:
+
+    * compute FLOPs x (T/T_l)² · (h·d)/(h_l·d_l) (every score entry is a d-long dot product, per head);
+    * compute bytes x (T/T_l)² · h/h_l · e/e_l (most memory-bound work is on the score matrices; operations on
+      q/k/v-sized tensors — copying chunks, merging outputs — are charged at this ratio too, an upper bound);
+    * the ring's K/V point-to-point bytes x (T/T_l) · (h_kv·d)/(h_l·d_l) · e/e_l (grouped-query attention sends
+      ``n_kv_heads``, the lab sends every head), once.
+
+    Pure Python. Raises ValueError for an unknown model, a size < 1, a seq_len beyond the model's
+    ``max_seq_len`` or an unknown dtype."""
+    from labkit.theory.replay import DTYPE_BYTES, Charge
+    from labkit.theory.spec import get_spec
+
+    spec = get_spec(model)
+    t = spec.check_seq_len(seq_len, "seq_len")
+    tl_, hl, dl = (positive_int(n, v) for n, v in (("lab_seq_len", lab_seq_len), ("lab_n_heads", lab_n_heads),
+                                                    ("lab_head_dim", lab_head_dim)))
+    check_choice("dtype", dtype, DTYPE_BYTES)
+    check_choice("lab_dtype", lab_dtype, DTYPE_BYTES)
+    e = DTYPE_BYTES[dtype] / DTYPE_BYTES[lab_dtype]
+    f_flops = (t / tl_) ** 2 * (spec.n_heads * spec.head_dim) / (hl * dl)
+    f_bytes = (t / tl_) ** 2 * spec.n_heads / hl * e
+    f_kv = t / tl_ * (spec.n_kv_heads * spec.head_dim) / (hl * dl) * e
+    details = {"model": spec.name, "what": "one attention layer, forward + backward", "seq_len": t, "dtype": dtype,
+               "lab_seq_len": tl_, "lab_n_heads": hl, "lab_head_dim": dl, "lab_dtype": lab_dtype,
+               "flops_factor": f_flops, "bytes_factor": f_bytes, "kv_bytes_factor": f_kv}
+    return Charge(f"as {spec.name}", f_flops, f_bytes, dtype, {"cp": (f_kv, 1.0), "pp": (f_kv, 1.0)}, "cp", {},
+                  details)
