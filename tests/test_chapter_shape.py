@@ -27,7 +27,7 @@ def test_parameters_cell_has_world_size_emulate_and_my_prediction(path):
 
     names = notebooks.declared_parameters(path)
     assert {"world_size", "emulate", "my_prediction"} <= set(names), f"{path.name}: parameters {sorted(names)}"
-    assert names["my_prediction"] is None, "my_prediction defaults to None (CI runs unattended)"
+    assert names["my_prediction"]["default"] == "None", "my_prediction defaults to None (CI runs unattended)"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
@@ -36,7 +36,8 @@ def test_the_reader_predicts_before_the_run(path):
     i = next(k for k, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", []))
     first_launch = next((k for k, c in enumerate(cells) if c["cell_type"] == "code" and k > i
                          and any(w in "".join(c["source"]) for w in ("launch(", ".run(", "run_"))), len(cells))
-    asked = [c for c in cells[:first_launch] if c["cell_type"] == "markdown" and "my_prediction" in "".join(c["source"])]
+    asked = [c for c in cells[:first_launch]
+             if c["cell_type"] == "markdown" and "my_prediction" in "".join(c["source"])]
     assert asked, f"{path.name}: no question naming my_prediction before the first run"
     assert any("compare_prediction(" in "".join(c["source"]) for c in cells if c["cell_type"] == "code"), \
         f"{path.name}: the reader's prediction is never compared with the run"
