@@ -78,6 +78,23 @@ def test_emulated_sweep_says_where_adding_ranks_stops_paying(seq_len, pays):
     assert ("Up to n=2 adding ranks still pays" in text) is pays
     assert ("Adding ranks stops paying at n=2" in text) is not pays
     ch.check_emulated(scaling)
+    kinds = set(scaling.frame[scaling.frame["name"].isin(["F", "B"])]["kind"])
+    assert kinds == {"compute"}, "the sweep's F and B spans are on the emulated timeline (the overlap figure)"
+    assert len(ch.overlap_timeline(scaling).data) >= 2  # compute and communication drawn, not comm alone
     # re-priced without running again: the same traces at the other sequence length give the other sentence
     other = scaling.reprice(charged_seq_len=8192 if seq_len == 128 else 128)
     assert ("Up to n=2 adding ranks still pays" in ch.strong_scaling_findings(other)) is not pays
+
+
+def test_carve_blocking_leaves_exposed_comm_on_the_rank_lane():
+    """A blocking all-reduce inside the naive B span is cut out of it (exposed: the rank waits); an async one
+    stays overlapping B (hidden: drawn on its own lane)."""
+    cols = ["rank", "name", "kind", "start_ns", "end_ns", "step", "microbatch", "stage", "nbytes", "stream",
+            "async_op"]
+    df = pd.DataFrame([[0, "B", "compute", 0, 100, 0, -1, -1, 0, "compute", None],
+                       [0, "all_reduce", "comm", 50, 100, 0, -1, -1, 8, "comm", False],
+                       [0, "all_reduce", "comm", 20, 40, 0, -1, -1, 8, "comm", True]], columns=cols)
+    out = ch.carve_blocking(df)
+    b = out[out["name"] == "B"]
+    assert b[["start_ns", "end_ns"]].values.tolist() == [[0, 50]]
+    assert len(out[out["stream"] == "comm"]) == 2

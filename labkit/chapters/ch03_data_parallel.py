@@ -295,9 +295,11 @@ def overlap_timeline(scaling: EmulatedScaling, n: int | None = None):
     f = scaling.frame
     spans = f[f["name"].isin([span_name("naive", n), span_name("bucket", n)]) & (f["stream"] != "comm")]
     lo, hi = spans["start_ns"].min(), spans["end_ns"].max()
-    df = f[(f["start_ns"] >= lo) & (f["end_ns"] <= hi) & (f["rank"] < n) & ~f["name"].isin(spans["name"])]
-    return timeline_figure(df, title=f"{scaling.label}: one naive step, then one bucketed step, n={n} "
-                                     "(communication that overlaps compute on its own lane)")
+    df = f[(f["start_ns"] >= lo) & (f["end_ns"] <= hi) & (f["rank"] < n) & ~f["name"].isin(spans["name"])
+           & (f["op"] != "broadcast")]  # the bucketed wrapper's initial broadcast, between the two steps
+    return timeline_figure(carve_blocking(df), title=f"{scaling.label}: one naive step, then one bucketed step, "
+                           f"n={n} (communication during compute on its own lane; the wrapper's initial "
+                           "broadcast between them left out)")
 
 
 def bytes_figure(wire, predicted_bytes: float):
@@ -386,7 +388,7 @@ def check_measured(res, wire, *, model: str, steps: int, global_batch_size: int,
     accumulation leaves the replicas identical and the wrong-sync bug does not; the demo's numbers."""
     import math
 
-    from labkit.experiments.common import assert_ranks_identical, assert_state_close, per_rank, replica_spread
+    from labkit.experiments.common import assert_ranks_identical, per_rank, replica_spread
     from labkit.models import train_reference
     from labkit.theory.data import predicted_allreduce_bytes
     from labkit.theory.spec import get_spec
@@ -396,7 +398,7 @@ def check_measured(res, wire, *, model: str, steps: int, global_batch_size: int,
     for label in ("naive", "bucket", "ddp", "ddp + accumulation"):
         per = per_rank(res, label)
         assert_ranks_identical([r["state"] for r in per], label)
-        assert_state_close(per[0]["state"], ref["state_dict"], what=label)
+        assert_parity(per[0]["state"], ref["state_dict"], n, what=label)
         assert per[0]["payload_bytes_per_step"] == psi * 4, f"{label}: payload {per[0]['payload_bytes_per_step']}"
         assert math.isclose(per[0]["ring_bytes_per_step"], predicted_allreduce_bytes(psi, n), rel_tol=1e-9), label
     ratio = wire.set_index("label")["measured / gloo model"].dropna()
@@ -438,3 +440,47 @@ def demo_table(res):
                          for r in range(len(res))})
     demo.index.names = ["variant", "sync"]
     return demo
+
+
+def assert_parity(actual: dict, expected: dict, world_size: int, what: str = "") -> None:
+    """A data-parallel run's weights against the single-process reference: fp32 tolerance
+    (:data:`labkit.models.TOLERANCES`) when ``world_size`` is a power of two (dividing the summed gradient by n is
+    exact); when it is not, 1/n is rounded and AdamW's normalisation magnifies that rounding on near-zero
+    gradients, so the absolute tolerance is 1e-4 (measured: 1.3e-5 on one element of 4096 at world_size 3 after
+    4 steps). Raises AssertionError naming the entry."""
+    import torch
+
+    from labkit.models import TOLERANCES
+
+    tol = dict(TOLERANCES[torch.float32])
+    if world_size & (world_size - 1):
+        tol["atol"] = max(tol["atol"], 1e-4)
+    if set(actual) != set(expected):
+        raise AssertionError(f"{what}: keys differ: {sorted(set(actual) ^ set(expected))}")
+    for k in expected:
+        torch.testing.assert_close(actual[k], expected[k], **tol, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def carve_blocking(df):
+    """``df`` (an emulated timeline frame) with every blocking collective's interval cut out of the compute rows
+    of its rank: the naive variant all-reduces from a callback at the end of ``backward()``, so its ``B`` span
+    contains the wait; carved, that communication sits alone on the rank's lane (exposed) while an asynchronous
+    bucket's all-reduce still overlaps ``B`` (its own lane). The same rule as the lab's training loop
+    (:func:`labkit.runtime.training._carve`)."""
+    import pandas as pd
+
+    from labkit.runtime.training import _carve
+
+    comm = df[(df["stream"] == "comm") & (df["async_op"] == False)]  # noqa: E712 (a column of bools / NaN)
+    rows = []
+    for r, g in df.groupby("rank"):
+        blocking = sorted(zip(comm[comm["rank"] == r]["start_ns"], comm[comm["rank"] == r]["end_ns"]))
+        for row in g.to_dict("records"):
+            if row["stream"] == "comm" or row["kind"] != "compute":
+                rows.append(row)
+                continue
+            for _name, s, e, _tags in _carve([(row["name"], row["start_ns"], row["end_ns"], {})], blocking):
+                rows.append(dict(row, start_ns=s, end_ns=e))
+    out = pd.DataFrame(rows, columns=df.columns)
+    out.attrs.update(df.attrs)
+    return out

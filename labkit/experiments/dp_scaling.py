@@ -30,7 +30,8 @@ def strong_scaling_rank(ctx, sizes=(1, 2, 4, 8), *, variants=SCALING_VARIANTS, m
     """Rank function: for each group size n of ``sizes`` (each <= world size, dividing ``global_batch_size``)
     and each variant, ranks 0..n-1 train ``steps`` steps of ``model`` on the same ``global_batch_size``
     sequences, each rank on global/n of them (n = 1: one rank, no wrapper, no communication). Each step is one
-    ``ctx.timer(span_name(variant, n), step=i)`` span; the other ranks wait at a barrier.
+    ``ctx.timer(span_name(variant, n), "other", step=i)`` span with ``F``, ``B`` and ``optimizer`` spans inside
+    (what the timeline draws); the other ranks wait at a barrier.
 
     Returns {span name: the global mean loss of the last step} on the group's members (the loss of the same
     global batch: equal across n up to fp32 rounding). Raises ValueError for a size that does not fit."""
@@ -63,13 +64,16 @@ def strong_scaling_rank(ctx, sizes=(1, 2, 4, 8), *, variants=SCALING_VARIANTS, m
                 for step in range(steps):
                     tokens, targets = data.batch(step, gbs)  # [gbs, T]
                     tokens, targets = shard(tokens, ctx.rank, n), shard(targets, ctx.rank, n)  # [gbs/n, T]
-                    with ctx.timer(name, step=step):
+                    with ctx.timer(name, "other", step=step):
                         opt.zero_grad(set_to_none=True)
-                        loss = lm_loss(wrapped(tokens), targets)
-                        loss.backward()
+                        with ctx.timer("F", step=step):
+                            loss = lm_loss(wrapped(tokens), targets)
+                        with ctx.timer("B", step=step):
+                            loss.backward()
                         if hasattr(wrapped, "finish_grad_sync"):
                             wrapped.finish_grad_sync()
-                        opt.step()
+                        with ctx.timer("optimizer", "other", step=step):
+                            opt.step()
                 if hasattr(wrapped, "close"):
                     wrapped.close()
                 mean = loss.detach().reshape(1) / n  # this rank's share of the global mean loss
