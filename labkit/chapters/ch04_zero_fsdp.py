@@ -124,6 +124,8 @@ def comm_table(results, model: str) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------------------
 # the reader's prediction, the emulated memory / step-time trade-off, what the runs show, figures, checks
 # ------------------------------------------------------------------------------------------------------
+from labkit.chapters.ch03_data_parallel import SOCKET_OVERHEAD_MAX  # noqa: E402 (headers per gloo message)
+
 #: the keys a dict ``my_prediction`` may have
 PREDICTION_KEYS = ("zero3_step_ratio", "zero3_memory_gb")
 #: the sequence length the ranks run in the emulated launch (each lab sequence charged as one of the preset's)
@@ -353,7 +355,7 @@ def check_measured(res, both, comm, table, wire, *, model: str, steps: int, glob
                    seq_len: int) -> None:
     """The measured run's checks (AssertionError with a message): every variant's replicas identical and equal to
     the single-process reference; measured model-state bytes = this layout's prediction, to the byte; the ring
-    model of the logged calls = the formula; 1 < ZeRO-3 / DDP ring bytes <= 1.5; socket bytes within 1-10 % of
+    model of the logged calls = the formula; 1 < ZeRO-3 / DDP ring bytes <= 1.5; socket bytes within 1-15 % of
     gloo's model."""
     import math
 
@@ -376,7 +378,7 @@ def check_measured(res, both, comm, table, wire, *, model: str, steps: int, glob
     ring = table.set_index("label")[TABLE_RING]
     assert 1.0 < ring["zero3"] / ring["ddp"] <= 1.5, ring.to_dict()
     ratio = wire.set_index("label")["measured / gloo model"].dropna()
-    assert ((ratio >= 0.99) & (ratio <= 1.1)).all(), f"socket bytes / gloo model: {ratio.to_dict()}"
+    assert ((ratio >= 0.99) & (ratio <= SOCKET_OVERHEAD_MAX)).all(), f"socket bytes / gloo model: {ratio.to_dict()}"
 
 
 def check_emulated(t: EmulatedTradeoff | None) -> None:
