@@ -212,9 +212,12 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch():
     with pytest.raises(ValueError, match=r"chapter 03 needs world_size >= 2, got world_size=1"):
         ch.check_chapter(world_size=1)
     with pytest.raises(ValueError, match=r"world_size=3 does not divide global_batch_size=8.* 6 \(e.g. 6 or 12\)"):
-        ch.check_chapter(world_size=3)
+        ch.check_chapter(world_size=3, global_batch_size=8)
     with pytest.raises(ValueError, match=r"n_microbatches=2 does not divide local_batch_size=1.*8 / 8"):
-        ch.check_chapter(world_size=8)
+        ch.check_chapter(world_size=8, global_batch_size=8)
+    # a batch the user did not set adapts to the world size (issue 19)
+    assert ch.check_chapter(world_size=3)["global_batch_size"] == 12
+    assert ch.check_chapter(world_size=8)["local_batch_size"] == 4
     with pytest.raises(ValueError, match=r"steps=0"):
         ch.check_chapter(world_size=2, steps=0)
     with pytest.raises(ValueError, match=r"n_microbatches=1: .*>= 2"):

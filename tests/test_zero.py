@@ -264,7 +264,8 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch():
     with pytest.raises(ValueError, match=r"chapter 04 needs world_size >= 2, got world_size=1"):
         ch.check_chapter(world_size=1)
     with pytest.raises(ValueError, match=r"world_size=3 does not divide global_batch_size=8.*multiple of world_size=3"):
-        ch.check_chapter(world_size=3)
+        ch.check_chapter(world_size=3, global_batch_size=8)
+    assert ch.check_chapter(world_size=3)["global_batch_size"] == 12  # a batch the user did not set adapts
     with pytest.raises(ValueError, match=r"steps=0"):
         ch.check_chapter(world_size=2, steps=0)
     with pytest.raises(ValueError, match=r"seq_len=500 exceeds"):
