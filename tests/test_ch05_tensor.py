@@ -68,9 +68,10 @@ def test_step_time_findings_name_dtensor_overhead_only_when_it_is_slower_than_ha
     assert "same collectives" not in even
 
 
-def test_the_string_none_is_refused_with_the_command_line_spelling():
-    with pytest.raises(ValueError, match="-p emulate=null"):
-        ch.check_chapter(world_size=2, emulate="None")
+def test_the_word_none_turns_emulation_off_and_a_bad_profile_is_refused():
+    assert repr(ch.check_chapter(world_size=2, emulate="None")) == repr(ch.check_chapter(world_size=2, emulate=None))
+    with pytest.raises(ValueError, match="dgx-h101"):
+        ch.check_chapter(world_size=2, emulate="dgx-h101")
 
 
 def test_dtensor_slowness_is_not_blamed_on_collectives_when_hand_is_fast():

@@ -89,9 +89,10 @@ def test_schedule_panel_redraws():
     assert str(out.outputs) != before and "zb-h1" in str(out.outputs)
 
 
-def test_the_string_none_is_refused_with_the_command_line_spelling():
-    with pytest.raises(ValueError, match="-p emulate=null"):
-        ch.check_chapter(world_size=2, emulate="None")
+def test_the_word_none_turns_emulation_off_and_a_bad_profile_is_refused():
+    assert repr(ch.check_chapter(world_size=2, emulate="None")) == repr(ch.check_chapter(world_size=2, emulate=None))
+    with pytest.raises(ValueError, match="dgx-h101"):
+        ch.check_chapter(world_size=2, emulate="dgx-h101")
 
 
 def test_balance_findings_says_how_much_longer_the_pipeline_computed():

@@ -11,7 +11,7 @@ import math
 
 import pandas as pd
 
-from labkit.chapters.common import check_world_size
+from labkit.chapters.common import as_emulate, check_world_size
 from labkit.checks import positive_float, positive_int
 
 #: the collective's own cost (time inside all_reduce beyond the predicted wait) counts as "small" below this
@@ -31,14 +31,6 @@ def check_prediction(my_prediction) -> None:
             ok = False
         if not ok:
             raise ValueError(f"my_prediction={my_prediction!r} must be None, a number or a dict of numbers")
-
-
-def as_emulate(emulate):
-    """``emulate`` as a chapter uses it: None for emulation off — None, False (``labkit run -p emulate=null`` or
-    ``=false``), or the strings ``"None"``, ``"none"``, ``"off"`` and ``""`` — else the value unchanged."""
-    if emulate is None or emulate is False:
-        return None
-    return None if isinstance(emulate, str) and emulate.strip().lower() in ("none", "off", "") else emulate
 
 
 def check_emulate(emulate, world_size: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from labkit.chapters.common import check_world_size
+from labkit.chapters.common import as_emulate, check_world_size
 from labkit.checks import positive_float
 from labkit.experiments.memory import WRAPS, check_training_run
 from labkit.theory import memory as mem
@@ -36,7 +36,6 @@ LARGE_TRAIN = dict(micro_batch_size=1, seq_len=8192, n_microbatches=16, recomput
 def device_for(emulate, device) -> str:
     """The device the large-model tables are sized against: ``device`` when given, else the GPU of the
     ``emulate`` cluster profile (``h100-80gb`` for ``dgx-h100``), else ``h100-80gb``."""
-    from labkit.chapters.ch00_getting_started import as_emulate
 
     emulate = as_emulate(emulate)
     if device is not None:

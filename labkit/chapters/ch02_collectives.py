@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from labkit.chapters.common import check_world_size, compare_prediction  # noqa: F401 (the notebook's)
+from labkit.chapters.common import as_emulate, check_world_size, compare_prediction  # noqa: F401 (the notebook's)
 from labkit.checks import positive_int
 from labkit.runtime.probes import cpu_cores
 from labkit.theory.collectives import DTYPES, check_size, format_size, parse_ops, parse_size, plan, size_range
@@ -77,7 +77,7 @@ def check_chapter(*, world_size: int, ops, min_size, max_size, factor: int, repe
     check_size("reduce_scatter", out["repartition_size"], world_size)
     check_size("all_to_all", out["repartition_size"] // world_size, world_size)
     resolve_backend(backend, world_size)
-    from labkit.chapters.ch00_getting_started import as_emulate, check_emulate, check_prediction
+    from labkit.chapters.ch00_getting_started import check_emulate, check_prediction
 
     check_prediction(my_prediction)
     if as_emulate(emulate) is not None:
@@ -196,7 +196,6 @@ def emulated_sweep_run(world_size: int = 8, emulate="dgx-h100", *, ops=EMULATED_
     nodes (:func:`two_node_cluster`). Returns ``{"emulation", "cases", "table"`` (its
     :func:`~labkit.experiments.emulate.sweep_table`), ``"two_nodes"`` (the re-priced table, or None),
     ``"label", "world_size", "findings"`` (:func:`emulated_findings`)}."""
-    from labkit.chapters.ch00_getting_started import as_emulate
     from labkit.experiments.emulate import collectives_rank, sweep_cases, sweep_table
     from labkit.runtime.emulate import resolve
     from labkit.runtime.launcher import launch
@@ -392,8 +391,6 @@ def timing_trap_finding(cmp: pd.DataFrame) -> str:
 
 def emulation_on(emulate) -> bool:
     """Whether the chapter's ``emulate`` parameter asks for an emulated run (None and ``"None"`` do not)."""
-    from labkit.chapters.ch00_getting_started import as_emulate
-
     return as_emulate(emulate) is not None
 
 

@@ -9,7 +9,7 @@ The strategy is :mod:`labkit.parallel.tensor`, its formulas :mod:`labkit.theory.
 
 from __future__ import annotations
 
-from labkit.chapters.common import check_fits_in_memory, check_world_size
+from labkit.chapters.common import as_emulate, check_fits_in_memory, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.experiments.tensor import (
     COMM_RUNS,
@@ -75,9 +75,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, emulate_tp=No
     check_fits_in_memory(spec, n, copies=4, what="chapter 05")
     if my_prediction is not None and not isinstance(my_prediction, (int, float)):
         raise ValueError(f"my_prediction={my_prediction!r} must be None or a number (a ratio of step times)")
-    if isinstance(emulate, str) and emulate.strip().lower() in ("none", "null", ""):
-        raise ValueError(f"emulate={emulate!r} is a string: to turn emulation off pass emulate=None in Python, "
-                         "or -p emulate=null on the command line")
+    emulate = as_emulate(emulate)
     etp = None
     if emulate is not None:
         etp = _check_emulated(emulate, emulate_tp, emulate_model, emulate_seq_len, spec)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from labkit.chapters.common import check_fits_in_memory, check_world_size
+from labkit.chapters.common import as_emulate, check_fits_in_memory, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.runtime import timeline as tl
 from labkit.theory import simulate as sim
@@ -73,9 +73,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatche
     from labkit.theory.spec import get_spec
 
     p = check_world_size("06", world_size, why="a pipeline needs at least two stages, one per rank")
-    if isinstance(emulate, str) and emulate.strip().lower() in ("none", "null", ""):
-        raise ValueError(f"emulate={emulate!r} is a string: to turn emulation off pass emulate=None in Python, "
-                         "or -p emulate=null on the command line")
+    emulate = as_emulate(emulate)
     if emulate is not None:
         from labkit.runtime.emulate import resolve
 

@@ -96,3 +96,14 @@ def compare_prediction(my_prediction, *, measured=None, predicted=None, what: st
         print(f"{key}: your {g:.4g}{unit and ' ' + unit} is " + " and ".join(parts) if parts else
               f"{key}: your {g:.4g}{unit and ' ' + unit} (nothing to compare it with in this run)")
     return out
+
+
+def as_emulate(emulate):
+    """A chapter's ``emulate`` parameter as ``launch(..., emulate=...)`` takes it: None when emulation is off —
+    None, False, or the strings ``"None"``, ``"none"``, ``"null"``, ``"off"`` and ``""`` (a notebook or a caller
+    that passes the word) — else the value unchanged (a profile name, a Cluster or a dict, checked by
+    :func:`labkit.runtime.emulate.resolve`)."""
+    if emulate is None or emulate is False:
+        return None
+    off = isinstance(emulate, str) and emulate.strip().lower() in ("none", "null", "off", "")
+    return None if off else emulate
