@@ -65,7 +65,11 @@ def positive_int(name: str, value, *, minimum: int = 1, maximum: int | None = No
 
 
 def positive_float(name: str, value, *, allow_zero: bool = False) -> float:
-    """Return ``value`` as float if it is > 0 (or >= 0 with allow_zero); else ValueError naming it."""
+    """Return ``value`` as float if it is a number > 0 (or >= 0 with allow_zero); else ValueError naming it (a
+    string such as ``"1e12"`` is refused: a caller that checks and goes on using its own value would pass the
+    string on)."""
+    if isinstance(value, (str, bytes, bool)):
+        raise ValueError(f"{name}={shown(value)} must be a finite number, not a {type(value).__name__}")
     try:
         f = float(value)
     except (TypeError, ValueError, OverflowError):

@@ -44,12 +44,24 @@ def discover(chapters: list[str] | None = None, folder: str | Path | None = None
 _PYTHON_LITERALS = {"None": None, "True": True, "False": False}
 
 
+def _number_or(value):
+    """YAML 1.1 reads ``1e12`` and ``5e-3`` (no dot) as strings; an unquoted value that Python reads as a
+    number is that number, as it would be in the notebook."""
+    if isinstance(value, str):
+        try:
+            return int(value) if value.strip().lstrip("+-").isdigit() else float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def parse_parameters(pairs: list[str] | None) -> dict:
     """``["world_size=4", "fast=true"]`` -> ``{"world_size": 4, "fast": True}`` (values read as YAML).
 
-    The bare Python literals ``None``, ``True`` and ``False`` mean what they mean in the notebook (as papermill's
-    own ``-p`` reads them), so ``-p emulate=None`` turns emulation off like ``-p emulate=null``; quote them
-    (``-p 'x="None"'``) to pass the string.
+    Unquoted numbers are numbers, ``1e12`` included (YAML 1.1 would read it as a string). The bare Python
+    literals ``None``, ``True`` and ``False`` mean what they mean in the notebook (as papermill's own ``-p``
+    reads them), so ``-p emulate=None`` turns emulation off like ``-p emulate=null``; quote a value
+    (``-p 'x="None"'``) to pass it as a string.
 
     Raises ValueError for an item without ``=`` or a value that is not valid YAML (naming the parameter).
     """
@@ -62,7 +74,8 @@ def parse_parameters(pairs: list[str] | None) -> dict:
             if value.strip() in _PYTHON_LITERALS:
                 params[name.strip()] = _PYTHON_LITERALS[value.strip()]
             else:
-                params[name.strip()] = yaml.safe_load(value) if value.strip() else ""
+                loaded = yaml.safe_load(value) if value.strip() else ""
+                params[name.strip()] = loaded if value.strip()[:1] in ("'", '"') else _number_or(loaded)
         except yaml.YAMLError as e:
             why = " ".join(str(getattr(e, "problem", None) or e).split())
             raise ValueError(f"parameter {name.strip()}: value {value!r} is not valid YAML ({why}); quote it to pass "

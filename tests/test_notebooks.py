@@ -143,6 +143,9 @@ def test_discover_and_parameters_errors(tmp_path):
     # the Python literals mean what they mean in the notebook (as papermill's -p reads them); quoted, a string
     assert notebooks.parse_parameters(["emulate=None", "a=False", "b=True", "c='None'", "d=null"]) == {
         "emulate": None, "a": False, "b": True, "c": "None", "d": None}
+    # unquoted numbers are numbers (YAML 1.1 reads 1e12 as a string, which a check could pass on to the ranks)
+    assert notebooks.parse_parameters(["w=1e12", "x=5e-3", "y='1e3'", "z=abc"]) == {
+        "w": 1e12, "x": 0.005, "y": "1e3", "z": "abc"}
     with pytest.raises(ValueError, match="name=value"):
         notebooks.parse_parameters(["4"])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 NAME = "run"
 HELP = "execute chapter notebooks headless (papermill) into runs/<stamp>/ and print a summary"
@@ -36,11 +37,18 @@ def run(args) -> int:
         from labkit.runtime.limits import check_world_size
 
         check_world_size(positive_int("-p world_size", params["world_size"]), name="-p world_size")
-    if params.get("emulate") not in (None, False, ""):  # a bad profile fails here, before any chapter runs
+    from labkit.chapters.common import as_emulate
+
+    if as_emulate(params.get("emulate")) is not None:  # a bad profile fails here, before any chapter runs
         from labkit.runtime.emulate import resolve
 
         ws = params.get("world_size")
-        resolve(params["emulate"], ws if isinstance(ws, int) and not isinstance(ws, bool) else None)
+        try:
+            resolve(params["emulate"], ws if isinstance(ws, int) and not isinstance(ws, bool) else None)
+        except ValueError as e:
+            raise ValueError(f"-p emulate={params['emulate']!r}: {e} (or None / null / off: no emulation)") from None
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a folder: name a folder for the executed notebooks")
     timeout = positive_float("--cell-timeout", args.cell_timeout)
     if params:  # a parameter no chosen chapter declares is a typo: refused before anything runs
         check_parameters(discover(chapters), params)
