@@ -8,6 +8,7 @@ a ``summary.csv`` (notebook, status, seconds, parameters, error).
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import sys
 import time
@@ -143,6 +144,8 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
                     else f"was running when the kernel died ({name})" if "DeadKernel" in name else f"failed ({name})")
             error = f"cell {index} ({first!r}) {what}"
             mark_cell_failed(output, index, name, error)
+    if output.exists():
+        relink(output, path.parent)
     if status == "ok":
         stalled = stalled_cells(output, cell_timeout_s)
         if stalled:
@@ -156,6 +159,36 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
                 mark_cell_failed(output, i, "CellTimeoutError", error)
     return {"notebook": path.name, "status": status, "seconds": round(time.perf_counter() - t0, 1),
             "parameters": applied, "error": error, "output": str(output)}
+
+
+_LINK = re.compile(r"\]\((?!https?:|#|/|mailto:)([^)\s#]+)(#[^)\s]*)?\)")
+
+
+def relink(executed: str | Path, source_dir: str | Path) -> int:
+    """Point the relative links of an executed notebook's markdown ("Code in this chapter": ``../labkit/...``)
+    at the files they named from ``source_dir``, relative to where the executed copy lies (runs/<stamp>/), so
+    they keep working there. A link whose file does not exist is left as it is. Returns how many changed."""
+    import nbformat
+
+    executed, source_dir = Path(executed), Path(source_dir).resolve()
+    nb = nbformat.read(str(executed), as_version=4)
+    changed = 0
+
+    def repl(m):
+        nonlocal changed
+        target = (source_dir / m.group(1)).resolve()
+        if not target.exists():
+            return m.group(0)
+        changed += 1
+        new = os.path.relpath(target, executed.parent.resolve()).replace(os.sep, "/")
+        return f"]({new}{m.group(2) or ''})"
+
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = _LINK.sub(repl, cell.source)
+    if changed:
+        nbformat.write(nb, str(executed))
+    return changed
 
 
 def _first_line(executed: str | Path, index: int) -> str:

@@ -34,3 +34,24 @@ def test_run_names_emulate_and_a_file_given_as_out(tmp_path, capsys):
     f.write_text("x")
     assert main(["run", "--chapters", "00", "--out", str(f)]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_an_executed_copy_keeps_its_code_links_working(tmp_path):
+    import nbformat
+
+    from labkit import notebooks
+
+    src = tmp_path / "repo" / "notebooks"
+    (tmp_path / "repo" / "labkit").mkdir(parents=True)
+    (tmp_path / "repo" / "labkit" / "x.py").write_text("")
+    src.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "[x](../labkit/x.py#L1), [gone](../labkit/gone.py), [web](https://example.org), [sec](#top)")])
+    out = tmp_path / "runs" / "stamp" / "00_x.ipynb"
+    out.parent.mkdir(parents=True)
+    nbformat.write(nb, str(out))
+    assert notebooks.relink(out, src) == 1
+    text = nbformat.read(str(out), as_version=4).cells[0].source
+    assert "[x](../../repo/labkit/x.py#L1)" in text and "(../labkit/gone.py)" in text
+    assert "(https://example.org)" in text and "(#top)" in text
+    assert (out.parent / "../../repo/labkit/x.py").resolve().exists()
