@@ -164,31 +164,41 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
 _LINK = re.compile(r"\]\((?!https?:|#|/|mailto:)([^)\s#]+)(#[^)\s]*)?\)")
 
 
-def relink(executed: str | Path, source_dir: str | Path) -> int:
-    """Point the relative links of an executed notebook's markdown ("Code in this chapter": ``../labkit/...``)
-    at the files they named from ``source_dir``, relative to where the executed copy lies (runs/<stamp>/), so
-    they keep working there. A link whose file does not exist is left as it is. Returns how many changed."""
+def rewrite_links(notebook: str | Path, new_target) -> int:
+    """Rewrite the relative links in a notebook's markdown: ``new_target(link) -> str | None`` gives the new
+    target of each (None keeps it). Web links and ``#anchors`` are never touched. Returns how many changed."""
     import nbformat
 
-    executed, source_dir = Path(executed), Path(source_dir).resolve()
-    nb = nbformat.read(str(executed), as_version=4)
+    nb = nbformat.read(str(notebook), as_version=4)
     changed = 0
 
     def repl(m):
         nonlocal changed
-        target = (source_dir / m.group(1)).resolve()
-        if not target.exists():
+        new = new_target(m.group(1))
+        if new is None or new == m.group(1):
             return m.group(0)
         changed += 1
-        new = os.path.relpath(target, executed.parent.resolve()).replace(os.sep, "/")
         return f"]({new}{m.group(2) or ''})"
 
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = _LINK.sub(repl, cell.source)
     if changed:
-        nbformat.write(nb, str(executed))
+        nbformat.write(nb, str(notebook))
     return changed
+
+
+def relink(executed: str | Path, source_dir: str | Path) -> int:
+    """Point the relative links of an executed notebook's markdown ("Code in this chapter": ``../labkit/...``)
+    at the files they named from ``source_dir``, relative to where the executed copy lies (runs/<stamp>/), so
+    they keep working there. A link whose file does not exist is left as it is. Returns how many changed."""
+    executed, source_dir = Path(executed), Path(source_dir).resolve()
+
+    def new_target(link: str) -> str | None:
+        target = (source_dir / link).resolve()
+        return os.path.relpath(target, executed.parent.resolve()).replace(os.sep, "/") if target.exists() else None
+
+    return rewrite_links(executed, new_target)
 
 
 def _first_line(executed: str | Path, index: int) -> str:

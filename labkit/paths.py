@@ -22,7 +22,7 @@ from pathlib import Path
 
 #: the file ``labkit notebooks DEST`` writes into DEST; its presence makes DEST a lab home
 HOME_MARKER = "labkit-home.json"
-_PACKAGED = {"data": "_data", "notebooks": "_notebooks"}
+_PACKAGED = {"data": "_data", "notebooks": "_notebooks", "docs": "_docs", "examples": "_examples"}
 
 
 def _checkout() -> Path | None:
@@ -60,8 +60,8 @@ def repo_root() -> Path:
 
 
 def packaged(name: str) -> Path:
-    """The copy of ``data`` or ``notebooks`` shipped inside the installed package (a folder on disk; a
-    zip-imported labkit is not supported). Raises ValueError for another name."""
+    """The copy of ``data``, ``notebooks``, ``docs`` or ``examples`` shipped inside the installed package (a
+    folder on disk; a zip-imported labkit is not supported). Raises ValueError for another name."""
     if name not in _PACKAGED:
         raise ValueError(f"name={name!r} is not a packaged folder; valid: {', '.join(_PACKAGED)}")
     return Path(str(resources.files("labkit") / _PACKAGED[name]))
@@ -80,6 +80,13 @@ def data_dir() -> Path:
 def notebooks_dir() -> Path:
     """``<home>/notebooks``, or the package's ``labkit/_notebooks`` when there is no home."""
     return _folder("notebooks")
+
+
+def guide_dir(name: str) -> Path:
+    """``<home>/<name>`` for ``docs`` (the guides the chapters link to) or ``examples`` (multi-node scripts) when
+    the home has one (a checkout; a lab folder written by ``labkit notebooks``), else the package's copy."""
+    root, _ = home()
+    return root / name if root is not None and (root / name).is_dir() else packaged(name)
 
 
 def runs_dir() -> Path:

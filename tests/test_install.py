@@ -84,6 +84,27 @@ def test_notebooks_command_writes_a_lab_home(clean_env, monkeypatch):
         write_lab(clean_env / "afile")
 
 
+def _broken_links(folder: Path) -> list[str]:
+    """Relative links in the notebooks of ``folder`` whose file does not exist."""
+    from labkit.notebooks import _LINK
+
+    bad = []
+    for nb in folder.glob("*.ipynb"):
+        for cell in json.loads(nb.read_text())["cells"]:
+            if cell["cell_type"] == "markdown":
+                bad += [f"{nb.name}: {m.group(1)}" for m in _LINK.finditer("".join(cell["source"]))
+                        if not (nb.parent / m.group(1)).exists()]
+    return bad
+
+
+def test_every_chapter_link_works_in_the_checkout_and_in_a_lab_folder(clean_env):
+    assert not _broken_links(ROOT / "notebooks")
+    write_lab(clean_env / "lab")
+    assert not _broken_links(clean_env / "lab" / "notebooks")
+    assert (clean_env / "lab" / "docs" / "emulation.md").is_file()
+    assert not (clean_env / "lab" / "labkit").exists(), "the reading copy must never shadow the installed package"
+
+
 def test_notebooks_command_line(clean_env):
     from labkit.cli import main
 
@@ -114,7 +135,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     (wheel,) = wheels.glob("labkit-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for must in ("labkit/_data/models.yaml", "labkit/_data/hardware.yaml",
-                 "labkit/_notebooks/00_getting_started.ipynb"):
+                 "labkit/_notebooks/00_getting_started.ipynb", "labkit/_docs/emulation.md"):
         assert must in names, f"{must} missing from the wheel"
     assert not [n for n in names if n.startswith(("data/", "notebooks/"))]
 
@@ -145,6 +166,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     made = run("notebooks", "lab")
     assert made.returncode == 0, made.stderr
     lab = work / "lab"
+    assert not _broken_links(lab / "notebooks"), "a chapter's link points nowhere in the lab folder"
     kernel = subprocess.run([str(py), "-P", "-c", "from jupyter_client.kernelspec import KernelSpecManager as K; "
                              "print(K().get_kernel_spec('python3').argv[0])"], cwd=lab, env=env,
                             capture_output=True, text=True, check=True)
@@ -153,3 +175,4 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "1/1 chapters ok" in ran.stdout
     assert list((lab / "runs").glob("*/00_getting_started.ipynb")), "the executed chapter lands in DEST/runs/"
+    assert not _broken_links(next((lab / "runs").glob("*/"))), "the executed copy's links must still work"

@@ -5,6 +5,9 @@ chapters and ``data/`` (models.yaml, hardware.yaml, reference/) inside it; this 
 
     DEST/notebooks/NN_topic.ipynb   the chapters (outputs stripped)
     DEST/data/...                   models.yaml, hardware.yaml, reference/ (recorded and published rows)
+    DEST/docs/*.md, DEST/examples/  the guides and the multi-node scripts the chapters link to
+    DEST/code/labkit/...            a reading copy of the package's code, where each chapter's "Code in this
+                                    chapter" links point (never imported: the installed package is what runs)
     DEST/labkit-home.json           the marker that makes DEST the lab's home (labkit.paths)
 
 after which ``cd DEST && labkit run`` (or ``jupyter lab notebooks/``) uses DEST's files and writes runs to
@@ -52,6 +55,14 @@ def write_lab(dest: str | Path, *, force: bool = False) -> dict:
         raise ValueError(f"no chapter notebooks in {nb_src} to copy ({paths.describe()})")
     plan = [(p, dest / "notebooks" / p.name) for p in chapters]
     plan += [(p, dest / "data" / p.relative_to(data_src)) for p in _files(data_src)]
+    n_data = len(plan) - len(chapters)
+    for name in ("docs", "examples"):
+        src = paths.guide_dir(name)
+        if src.is_dir():
+            plan += [(p, dest / name / p.relative_to(src)) for p in _files(src) if p.name != "__init__.py"]
+    code_src = Path(labkit.__file__).resolve().parent
+    plan += [(p, dest / "code" / "labkit" / p.relative_to(code_src)) for p in _files(code_src)
+             if p.suffix == ".py" and not {"_data", "_notebooks", "_docs"} & set(p.relative_to(code_src).parts)]
     if dest.resolve() in (nb_src.parent.resolve(), data_src.parent.resolve()):
         raise ValueError(f"DEST={str(dest)!r} is where the files come from; give another folder")
     clash = [t for _, t in plan if t.exists()]
@@ -61,11 +72,15 @@ def write_lab(dest: str | Path, *, force: bool = False) -> dict:
     for src, target in plan:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, target)
+    from labkit.notebooks import rewrite_links
+
+    for _, target in plan[:len(chapters)]:  # "Code in this chapter": ../labkit/X -> the reading copy
+        rewrite_links(target, lambda link: "../code/" + link[3:] if link.startswith("../labkit/") else None)
     marker = {"labkit": labkit.__version__, "source": paths.describe(),
               "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "what": "this folder is a labkit home: `labkit run` here uses notebooks/ and data/ below it"}
     (dest / paths.HOME_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    return {"dest": dest, "notebooks": len(chapters), "data_files": len(plan) - len(chapters),
+    return {"dest": dest, "notebooks": len(chapters), "data_files": n_data,
             "source": paths.describe()}
 
 
