@@ -110,10 +110,10 @@ def test_flops_and_mfu():
 def test_chapter00_parameter_check():
     from labkit.chapters.ch00_getting_started import check_chapter
 
-    check_chapter(world_size=2, work_ms=40.0, steps=3, timeout_s=120.0)
+    check_chapter(world_size=2, emulate=None, my_prediction=None, work_ms=40.0, steps=3, timeout_s=120.0)
     with pytest.raises(ValueError, match="chapter 00 needs world_size >= 2, got world_size=1"):
-        check_chapter(world_size=1, work_ms=40.0, steps=3, timeout_s=120.0)
+        check_chapter(world_size=1, emulate=None, my_prediction=None, work_ms=40.0, steps=3, timeout_s=120.0)
     with pytest.raises(ValueError, match="work_ms=0"):
-        check_chapter(world_size=2, work_ms=0, steps=3, timeout_s=120.0)
+        check_chapter(world_size=2, emulate=None, my_prediction=None, work_ms=0, steps=3, timeout_s=120.0)
     with pytest.raises(ValueError, match="steps=0"):
-        check_chapter(world_size=2, work_ms=40.0, steps=0, timeout_s=120.0)
+        check_chapter(world_size=2, emulate=None, my_prediction=None, work_ms=40.0, steps=0, timeout_s=120.0)

@@ -210,7 +210,7 @@ def test_chapter_validates_every_parameter_through_check_chapter(name):
         exec(first, ns)  # nothing launched yet
 
 
-#: every chapter's exercise (00-11), run without the chapter's launches: the parameters cell and the first code
+#: every chapter's exercise (00-12), run without the chapter's launches: the parameters cell and the first code
 #: cell (imports and check_chapter, nothing launched), then ``stub`` standing in for what the chapter measured
 #: before (a distinctive number, so a leak of it shows), then the exercise cells. ``answers``: the variables the
 #: reader sets and a wrong attempt for each; ``reference``: expressions for where the cells leave the answer (else
@@ -233,6 +233,7 @@ ALL_EXERCISES = {
                                 reference=("ref_pp", "ref_link")),
     "10_serving": dict(answers={"answer_bytes": 3}),
     "11_scaling": dict(answers={"answer_efficiency": 0.1}),
+    "12_serving_under_load": dict(answers={"answer_rate": 3.0}),
 }
 
 

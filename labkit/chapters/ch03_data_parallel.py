@@ -141,7 +141,8 @@ def check_prediction(my_prediction):
 
 
 def scaling_sizes(emulated_ranks: int) -> tuple:
-    """The group sizes of the sweep: 1, 2, 4, ... below ``emulated_ranks``, and ``emulated_ranks`` itself."""
+    """The group sizes of the sweep: 1, 2, 4, ... below ``emulated_ranks``, and ``emulated_ranks`` itself.
+    Raises ValueError when ``emulated_ranks`` is not an integer >= 1."""
     n = positive_int("emulated_ranks", emulated_ranks)
     return tuple(sorted({1, n} | {2 ** k for k in range(1, n.bit_length()) if 2 ** k < n}))
 
@@ -210,7 +211,8 @@ def emulated_scaling(plan, emulated_ranks: int = 8, *, sequences_per_rank: int =
     """The chapter's emulated run: one launch of ``emulated_ranks`` ranks on ``plan`` (:func:`emulation_plan`)
     training the same global batch (``sequences_per_rank`` x the lcm of the sizes) on 1, 2, 4, ... ranks,
     naive and bucketed (:func:`labkit.experiments.dp_scaling.strong_scaling_rank`), in a warm pool by default
-    (the panel re-runs it there). Returns :class:`EmulatedScaling`."""
+    (the panel re-runs it there). Returns :class:`EmulatedScaling`. Raises ValueError for a bad
+    ``emulated_ranks`` or ``sequences_per_rank`` (not an integer >= 1), before anything is launched."""
     import math
 
     from labkit import launch

@@ -135,7 +135,8 @@ EMULATED_VARIANTS = ("ddp", "zero1", "zero2", "zero3")
 
 
 def check_prediction(my_prediction):
-    """``my_prediction`` None, a finite number, or a dict of finite numbers keyed by :data:`PREDICTION_KEYS`."""
+    """``my_prediction`` None, a finite number, or a dict of finite numbers keyed by :data:`PREDICTION_KEYS`;
+    raises ValueError naming the value otherwise."""
     import math
 
     if my_prediction is None:

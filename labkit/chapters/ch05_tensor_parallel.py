@@ -244,7 +244,8 @@ def activation_vs_theory(rows: list[dict], spec: ModelSpec | str, batch_size: in
 # ------------------------------------------------------------------------------------------------------
 def emulated_tp_degree(model: str = "lab-tiny-llama", *, limit: int = 8) -> int:
     """The largest power-of-two tp <= ``limit`` the lab model can be split into (:func:`check_tp`, vocabulary
-    padded): the degree of the emulated run when ``emulate_tp`` is None."""
+    padded): the degree of the emulated run when ``emulate_tp`` is None. Raises ValueError when the model
+    cannot be split over 2 ranks."""
     spec = get_spec(model)
     best = None
     for tp in (2, 4, 8, 16):
@@ -301,7 +302,8 @@ def tp_across_nodes(tp: int, *, emulate="dgx-h100", model: str = "lab-tiny-llama
     ``as_seq_len`` tokens on ``emulate``'s cluster, then re-priced (no re-run) with the TP group spread over more
     nodes (:func:`placements`). One row per placement: ``placement``, ``nodes``, ``label``, ``step_s`` (median
     emulated step), ``comm_s`` (emulated TP communication in the step, rank 0), ``compute_s`` (the rest),
-    ``predicted_step_s`` / ``predicted_comm_s`` (:func:`predicted_tp_step`)."""
+    ``predicted_step_s`` / ``predicted_comm_s`` (:func:`predicted_tp_step`). Raises ValueError when ``tp`` does
+    not fit in one node of the cluster (this section compares one node with several)."""
     from labkit import launch
     from labkit.theory.cluster import get_cluster
 
