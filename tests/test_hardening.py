@@ -304,6 +304,11 @@ def test_cap_is_overridable(monkeypatch):
     with pytest.raises(ValueError, match="the largest world_size that fits is 1"):
         launch(trivial, 2)
     assert list(launch(trivial, 2, max_world_size=2, echo=False)) == [0, 1]
+    # the command line has no max_world_size option: it is told of the environment variable only
+    with pytest.raises(ValueError, match=r"fits is 1 \(to launch anyway set LABKIT_MAX_WORLD_SIZE=2\)$"):
+        limits.check_world_size(2, name="-p world_size")
+    with pytest.raises(ValueError, match=r"fits is 1$"):  # a typo (10**30 ranks): no override offered
+        limits.check_world_size(10**30)
     monkeypatch.setenv(limits.ENV_MAX_WORLD_SIZE, "2")
     limits.check_world_size(2)
     with pytest.raises(ValueError, match="above LABKIT_MAX_WORLD_SIZE=2"):

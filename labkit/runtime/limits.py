@@ -75,11 +75,16 @@ def check_world_size(world_size: int, max_world_size=None, *, name: str = "world
     fits = max(1, avail // RANK_FOOTPRINT_BYTES)
     if world_size > fits:
         need = world_size * RANK_FOOTPRINT_BYTES
+        if world_size > 1024 * fits:  # a typo, not a tight fit: no override to suggest
+            override = ""
+        elif name.startswith("-"):  # the command line has no max_world_size option: the environment does it
+            override = f" (to launch anyway set {ENV_MAX_WORLD_SIZE}={world_size})"
+        else:
+            override = f" (to launch anyway pass max_world_size={world_size} or set {ENV_MAX_WORLD_SIZE}={world_size})"
         raise ValueError(
             f"{name}={world_size} does not fit in this host's memory: {world_size} ranks x "
-            f"{RANK_FOOTPRINT_BYTES / MiB:.0f} MiB per rank = {need / GiB:.1f} GiB, {avail / GiB:.1f} GiB available; "
-            f"the largest world_size that fits is {fits} (to launch anyway pass max_world_size={world_size} or set "
-            f"{ENV_MAX_WORLD_SIZE}={world_size})")
+            f"{RANK_FOOTPRINT_BYTES / MiB:.0f} MiB per rank = {need / GiB:.3g} GiB, {avail / GiB:.1f} GiB available; "
+            f"the largest world_size that fits is {fits}{override}")
 
 
 def oom_kill_counts() -> dict:
