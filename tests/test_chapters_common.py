@@ -35,3 +35,13 @@ def test_check_world_size_names_the_chapter():
     assert check_world_size("03", 4) == 4
     with pytest.raises(ValueError, match="chapter 03 needs world_size >= 2, got world_size=1: why; use"):
         check_world_size("03", 1, why="why")
+
+
+def test_number_prediction_refuses_bools_strings_and_infinities_naming_what_is_wanted():
+    from labkit.chapters.common import check_number_prediction
+
+    check_number_prediction(None, what="a number")
+    check_number_prediction(0.8, what="a number")
+    for bad in (True, "abc", float("inf"), [1]):
+        with pytest.raises(ValueError, match=r"must be None or a fraction"):
+            check_number_prediction(bad, what="a fraction")

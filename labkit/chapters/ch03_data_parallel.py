@@ -7,7 +7,7 @@ The strategies are in :mod:`labkit.parallel.data`, their formulas in :mod:`labki
 
 from __future__ import annotations
 
-from labkit.chapters.common import check_fits_in_memory, check_world_size
+from labkit.chapters.common import charged_emulation_plan, check_fits_in_memory, check_world_size
 from labkit.checks import positive_int
 from labkit.experiments.data import accumulation_demo_rank, run_rank, scaling_rank
 from labkit.parallel.data import DEFAULT_BUCKET_CAP_BYTES
@@ -153,16 +153,10 @@ def emulation_plan(emulate, emulated_ranks=8, charge_as="llama-3-8b", charged_se
     ``model`` at :data:`LAB_SEQ_LEN` charged as ``charge_as`` at ``charged_seq_len``, one sequence for one.
     Checked before anything runs (labkit.runtime.emulate.resolve): ValueError naming the valid profiles, world
     sizes or presets; ``emulated_ranks`` must be 2..16."""
-    from labkit.runtime.emulate import resolve
-
-    n = positive_int("emulated_ranks", emulated_ranks)
-    if not 2 <= n <= 16:
-        raise ValueError(f"emulated_ranks={n}: chapter 03's emulated sweep runs 2..16 ranks (8 fills one "
-                         "dgx-h100 node, 16 crosses to a second); use emulated_ranks=8")
-    plan = {"cluster": emulate, "model": charge_as, "seq_len": positive_int("charged_seq_len", charged_seq_len),
-            "micro_batch_size": 1, "lab_model": model, "lab_seq_len": LAB_SEQ_LEN, "lab_micro_batch_size": 1}
-    resolve(plan, n)
-    return plan
+    return charged_emulation_plan(emulate, emulated_ranks, charge_as=charge_as, charged_seq_len=charged_seq_len,
+                                  model=model, lab_seq_len=LAB_SEQ_LEN,
+                                  what="chapter 03's emulated sweep runs 2..16 ranks (8 fills one dgx-h100 node, "
+                                       "16 crosses to a second); use emulated_ranks=8")
 
 
 def _label(plan) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from labkit.chapters.common import check_fits_in_memory, check_world_size
+from labkit.chapters.common import charged_emulation_plan, check_fits_in_memory, check_world_size
 from labkit.checks import check_choice, positive_int
 from labkit.experiments.common import _runs
 from labkit.experiments.zero import memory_rank, run_rank
@@ -160,16 +160,10 @@ def emulation_plan(emulate, emulated_ranks=8, charge_as="llama-3-8b", charged_se
     """The ``emulate=`` dict of the chapter's emulated run (cluster ``emulate``, ``model`` at
     :data:`LAB_SEQ_LEN` charged as ``charge_as`` at ``charged_seq_len``, one sequence for one), checked by
     labkit.runtime.emulate.resolve (ValueError naming the valid profiles, sizes, presets); 2..16 ranks."""
-    from labkit.runtime.emulate import resolve
-
-    n = positive_int("emulated_ranks", emulated_ranks)
-    if not 2 <= n <= 16:
-        raise ValueError(f"emulated_ranks={n}: chapter 04's emulated run uses 2..16 ranks (8 fills one dgx-h100 "
-                         "node); use emulated_ranks=8")
-    plan = {"cluster": emulate, "model": charge_as, "seq_len": positive_int("charged_seq_len", charged_seq_len),
-            "micro_batch_size": 1, "lab_model": model, "lab_seq_len": LAB_SEQ_LEN, "lab_micro_batch_size": 1}
-    resolve(plan, n)
-    return plan
+    return charged_emulation_plan(emulate, emulated_ranks, charge_as=charge_as, charged_seq_len=charged_seq_len,
+                                  model=model, lab_seq_len=LAB_SEQ_LEN,
+                                  what="chapter 04's emulated run uses 2..16 ranks (8 fills one dgx-h100 node); "
+                                       "use emulated_ranks=8")
 
 
 class EmulatedTradeoff:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from labkit.chapters.common import check_fits_in_memory, check_world_size
+from labkit.chapters.common import check_fits_in_memory, check_number_prediction, check_world_size
 from labkit.checks import positive_int
 from labkit.theory.spec import get_spec
 
@@ -43,7 +43,6 @@ def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total, we
     machine's memory cannot hold on world_size ranks, a backend the machine cannot run, an unknown ``emulate``
     profile or one whose nodes cannot hold ``emulate_world_size`` ranks evenly, a ``my_prediction`` that is not
     None or a number."""
-    import math
 
     from labkit.experiments.scaling_emulated import cluster_of
     from labkit.runtime.emulate import resolve
@@ -63,13 +62,7 @@ def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total, we
     spec.check_seq_len(seq_len)
     check_fits_in_memory(spec, max(sizes), copies=1, what="chapter 11's training series")
     resolve_backend(backend, max(sizes))
-    if my_prediction is not None:
-        try:
-            ok = math.isfinite(float(my_prediction))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"my_prediction={my_prediction!r} must be None or a number (a fraction, e.g. 0.8)")
+    check_number_prediction(my_prediction, what="a number (a fraction, e.g. 0.8)")
     emulated = None
     if emulate is not None:
         if not isinstance(emulate, str):

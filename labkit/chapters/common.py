@@ -107,3 +107,37 @@ def as_emulate(emulate):
         return None
     off = isinstance(emulate, str) and emulate.strip().lower() in ("none", "null", "off", "")
     return None if off else emulate
+
+
+def check_number_prediction(my_prediction, *, what: str) -> None:
+    """``my_prediction`` must be None or one finite number (not a bool); else ValueError
+    ``my_prediction=<value> must be None or <what>``."""
+    import math
+
+    if my_prediction is None:
+        return
+    try:
+        ok = not isinstance(my_prediction, bool) and math.isfinite(float(my_prediction))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"my_prediction={my_prediction!r} must be None or {what}")
+
+
+def charged_emulation_plan(emulate, emulated_ranks, *, charge_as: str, charged_seq_len, model: str,
+                           lab_seq_len: int, what: str) -> dict:
+    """The ``emulate=`` dict of a chapter's emulated run (docs/emulation.md): cluster ``emulate``, the ranks'
+    ``model`` at ``lab_seq_len`` charged as ``charge_as`` at ``charged_seq_len``, one sequence for one. Checked
+    before anything runs: ValueError for ``emulated_ranks`` outside 2..16 (``what`` says why, e.g. "chapter 03's
+    emulated sweep runs 2..16 ranks ...; use emulated_ranks=8"), and from labkit.runtime.emulate.resolve naming
+    the valid profiles, world sizes or presets."""
+    from labkit.checks import positive_int
+    from labkit.runtime.emulate import resolve
+
+    n = positive_int("emulated_ranks", emulated_ranks)
+    if not 2 <= n <= 16:
+        raise ValueError(f"emulated_ranks={n}: {what}")
+    plan = {"cluster": emulate, "model": charge_as, "seq_len": positive_int("charged_seq_len", charged_seq_len),
+            "micro_batch_size": 1, "lab_model": model, "lab_seq_len": lab_seq_len, "lab_micro_batch_size": 1}
+    resolve(plan, n)
+    return plan
