@@ -204,6 +204,8 @@ def test_chapter01_at_world_size_3_and_every_number_labelled(tmp_path):
             text = out.get("text") if out.output_type == "stream" else out.get("data", {}).get("text/plain", "")
             if "VBox(" in text or not re.search(r"(?<![A-Za-z])\d", text):
                 continue  # the widget's repr; no numbers (a dtype name such as fp32 is not a number)
+            if text.lstrip().startswith("not attempted yet"):
+                continue  # the exercise's hint ("a 4-byte step per tensor"): a fact to use, not a result
             if not re.search(r"predicted|measured|published", text, re.IGNORECASE):
                 unlabelled.append((i, text[:120]))
     assert not unlabelled, unlabelled
