@@ -542,7 +542,9 @@ def test_request_rate_sweep_finds_the_knee_where_the_model_says_on_two_ranks():
     s = out["sweep"]
     for _, g in s.groupby("mode"):
         lo, hi = g.sort_values("rate_rps").iloc[0], g.sort_values("rate_rps").iloc[-1]
-        assert hi["queue_growth_rps"] > lo["queue_growth_rps"] and hi["queue_max"] > lo["queue_max"], g
+        # the queue gets longer and the batch fuller above the knee; not the queue's slope: 24 requests at 3x the
+        # knee arrive within ~0.3 s, a window of 2-3 server steps, where the slope is noise (-6.7 in one CI run)
+        assert hi["queue_max"] > lo["queue_max"] and hi["batch_mean"] > lo["batch_mean"], g
         assert hi["ttft_p95_s"] > lo["ttft_p95_s"] and hi["saturated_share"] > lo["saturated_share"], g
         assert (g["ok"] == 24).all()
     ser = out["series"]
