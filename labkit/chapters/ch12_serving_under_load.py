@@ -336,7 +336,9 @@ def check_run(run: dict, lost: dict, swap_recs: pd.DataFrame) -> str:
     for mode, g in sweep.groupby("mode"):
         g = g.sort_values("rate_rps")
         lo, hi = g.iloc[0], g.iloc[-1]
-        assert hi["queue_growth_rps"] > lo["queue_growth_rps"] and hi["ttft_p95_s"] > lo["ttft_p95_s"], \
+        # the queue's longest length, not its slope: above the knee the requests arrive within a few server
+        # steps, where a slope is noise (tests/test_serving.py)
+        assert hi["queue_max"] > lo["queue_max"] and hi["ttft_p95_s"] > lo["ttft_p95_s"], \
             f"{mode}: the queue and TTFT p95 should grow past the knee:\n{g}"
     order = ((sweep["ttft_p50_s"] <= sweep["ttft_p95_s"]) & (sweep["ttft_p95_s"] <= sweep["ttft_p99_s"])
              & (sweep["itl_p50_s"] <= sweep["itl_p95_s"]) & (sweep["tps_p5"] <= sweep["tps_p50"]))
