@@ -421,8 +421,7 @@ def bubble_compare_figure(table: pd.DataFrame, m: int, label: str | None = None)
                              text=[f"{v:.3f}" for v in t[col]], textposition="outside"))
     p = int(table.attrs.get("pp", 0)) or None
     fig.update_layout(barmode="group", yaxis_title="bubble (fraction of total time)",
-                      title=f"Bubble per schedule{f', pp={p}' if p else ''}, m={m}, fixed compute: measured on this "
-                            "machine" + (f", {label}" if label else "") + " and predicted by the simulator")
+                      title=f"Bubble per schedule{f', pp={p}' if p else ''}, m={m}, fixed compute")  # legend: sources
     return fig
 
 

@@ -106,13 +106,17 @@ def memory_figure(memory, ranks):
     (labkit.theory.memory), one panel per run and rank of ``ranks``, from ``ComposedResult.memory``."""
     import plotly.express as px
 
+    from labkit.style import label_color
+
     mem_long = memory.melt(id_vars=["run", "rank", "stage", "category"],
                            value_vars=["measured_bytes", "predicted_bytes"], var_name="source", value_name="bytes")
     mem_long = mem_long[mem_long["rank"].isin(list(ranks))]
     mem_long["where"] = mem_long["run"] + ", rank " + mem_long["rank"].astype(str)
+    names = {"measured_bytes": "measured", "predicted_bytes": "predicted (labkit.theory.memory)"}
+    mem_long["source"] = mem_long["source"].map(names)
     fig = px.bar(mem_long, x="category", y="bytes", color="source", barmode="group", facet_col="where",
-                 facet_col_wrap=3, height=520,
-                 title="Model states per rank: measured (live tensors) vs predicted (labkit.theory.memory)")
+                 facet_col_wrap=3, height=520, color_discrete_map={n: label_color(n) for n in names.values()},
+                 title="Model states per rank (measured: live tensors)")
     fig.update_yaxes(matches=None, showticklabels=True)
     return fig
 
