@@ -458,19 +458,25 @@ def test_no_orphans_when_the_holder_of_a_pool_dies_or_exits(tmp_path, how):
         proc.stdin.write("\n")
         proc.stdin.flush()
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    everything = [*ranks, *kids, *tree]
-    while time.monotonic() < deadline:
-        alive = [p for p in everything if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-        if not alive and not run_dirs[0].exists():
-            break
-        time.sleep(0.1)
-    for p in alive:
-        os.kill(p, signal.SIGKILL)
+    alive = _wait_gone([*ranks, *kids, *tree], run_dirs[0])
     assert not alive, f"orphans after the holder's {how}: {alive}"
     assert not run_dirs[0].exists()
     if how == "exit":
         assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+def _wait_gone(pids: list[int], run_dir: Path, timeout_s: float = 10.0) -> list[int]:
+    """Wait up to ``timeout_s`` for every process of ``pids`` to end and ``run_dir`` to be removed; SIGKILL and
+    return the pids still alive then (the caller asserts there are none)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        if (not alive and not run_dir.exists()) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    return alive
 
 
 _KERNEL_CELL = textwrap.dedent("""
@@ -506,14 +512,6 @@ def test_kernel_shutdown_closes_the_shared_pool(tmp_path):
         km.shutdown_kernel(now=False)  # a shutdown request: the kernel exits through its exit hooks
     if proc is not None:
         assert proc.wait(timeout=10) == 0, "the kernel was killed, not shut down: its exit hooks did not run"
-    deadline = time.monotonic() + 10
-    everything = [*info["ranks"], *kids, *tree]
-    while time.monotonic() < deadline:
-        alive = [p for p in everything if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-        if not alive and not run_dirs[0].exists():
-            break
-        time.sleep(0.1)
-    for p in alive:
-        os.kill(p, signal.SIGKILL)
+    alive = _wait_gone([*info["ranks"], *kids, *tree], run_dirs[0])
     assert not alive, f"left after the kernel shut down: {alive}"
     assert not run_dirs[0].exists()
