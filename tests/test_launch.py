@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import launch
+from labkit.runtime import zygote
 from labkit.runtime.launcher import LaunchTimeout, RankFailed, ShipError, load_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,7 +34,8 @@ def no_orphans():
     yield
     deadline = time.monotonic() + 5
     while True:
-        kids = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        kids = [p for p in psutil.Process().children(recursive=True)
+                if p.status() != psutil.STATUS_ZOMBIE and p.pid != zygote.template_pid()]
         if not kids or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -295,11 +297,16 @@ def _start_caller():
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until both ranks run
         kids = ps.children(recursive=True)
-        if len([k for k in kids if "labkit.runtime.worker" in " ".join(k.cmdline())]) == 2:
+        names = [k.name() for k in kids]  # forked ranks are named labkit-rank<r>; fresh interpreters run rank_main
+        if sum(n.startswith("labkit-rank") or (not n.startswith("labkit-") and "rank_main" in " ".join(k.cmdline()))
+               for n, k in zip(names, kids)) == 2:
             return proc, kids
+        if proc.poll() is not None:
+            break
         time.sleep(0.1)
+    tree = [(k.pid, k.name(), k.status()) for k in ps.children(recursive=True)]
     proc.kill()
-    raise AssertionError("ranks did not start")
+    raise AssertionError(f"ranks did not start: {tree} {proc.communicate()[1][-3000:]}")
 
 
 def test_keyboard_interrupt_in_caller_ends_every_rank():

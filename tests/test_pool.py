@@ -28,6 +28,7 @@ import torch.distributed as dist
 import labkit
 from labkit import launch
 from labkit.runtime import pool as pool_mod
+from labkit.runtime import zygote
 from labkit.runtime.launcher import LaunchTimeout, RankFailed
 from labkit.runtime.rendezvous import is_loopback, listening_addresses
 from labkit.runtime.reset import TORCH_FIXED_DEFAULT_SEED
@@ -57,6 +58,7 @@ def no_pools_left():
             p.close()
     keep = set().union(*(_tree(p) for p in _SHARED)) if _SHARED else set()
     deadline = time.monotonic() + 10
+    keep.add(zygote.template_pid())
     while (kids := [p for p in psutil.Process().children(recursive=True)
                     if p.status() != psutil.STATUS_ZOMBIE and p.pid not in keep]) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -3,3 +3,7 @@ parameter check (``check_chapter``, run before any launch), its entry points, th
 (findings written from the numbers of the run) and its tables. :mod:`common` holds what several chapters
 share.
 """
+
+from labkit.runtime import zygote as _zygote
+
+_zygote.prestart()  # every chapter launches ranks: their template imports torch while the kernel imports plotly

@@ -199,6 +199,10 @@ def remove_stale_launch_dirs(tmp: str | Path | None = None) -> list[Path]:
     return removed
 
 
+RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "labkit.runtime.worker",
+                "labkit.runtime.reset")  # what every rank imports (torch._dynamo: at its first optimizer)
+
+
 def _rank_env(threads: int) -> dict:
     from labkit.runtime.rendezvous import pin_to_loopback
     from labkit.runtime.safepath import rank_pythonpath
@@ -237,11 +241,20 @@ class RankSet:
                     "cwd": os.getcwd(), "sys_path": shipped_sys_path(), "warm": warm}
             (self.run_dir / "spec.json").write_text(json.dumps(spec))
             self.oom_before = oom_kill_counts()
+            env = _rank_env(threads)
+            if os.environ.get("LABKIT_RANK_START", "fork") != "spawn":  # the rank template's one-time start
+                from labkit.runtime import zygote  # (import torch once per caller) is not the launch's time
+
+                zygote.get(env, spec["sys_path"])
             self.started = time.monotonic()
-            argvs = [boot_argv("labkit.runtime.worker", "rank_main", [str(self.run_dir), str(r)])
-                     for r in range(world_size)]
-            self.procs = RankProcs(argvs, _rank_env(threads), self.run_dir, self.run_dir / "supervisor.json",
-                                   echo=echo, with_stdin=True)
+            entries = [["labkit.runtime.worker", "rank_main", [str(self.run_dir), str(r)]]
+                       for r in range(world_size)]
+            argvs = [boot_argv(*entry) for entry in entries]
+            fork = None  # ranks forked from a supervisor that imported torch once (supervisor.py)
+            if os.environ.get("LABKIT_RANK_START", "fork") != "spawn":
+                fork = {"sys_path": spec["sys_path"], "preload": list(RANK_PRELOAD), "entries": entries}
+            self.procs = RankProcs(argvs, env, self.run_dir, self.run_dir / "supervisor.json",
+                                   echo=echo, with_stdin=True, fork=fork)
         except BaseException:
             self.close()
             raise

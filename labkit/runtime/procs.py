@@ -58,6 +58,46 @@ class _Pump:
                 pass
 
 
+class _ForkedSupervisor:
+    """A launch supervisor forked by the rank template (zygote.py), seen through the part of
+    ``subprocess.Popen`` that :class:`RankProcs` uses: ``pid``, ``stdin``, ``stdout``, ``wait``, ``kill``."""
+
+    def __init__(self, template, spec_path: str, child_fds: list[int]):
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        try:
+            self.pid = template.fork_supervisor(spec_path, [in_r, out_w, *child_fds])
+        except BaseException:
+            os.close(in_w)
+            os.close(out_r)
+            raise
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+        self.stdin = os.fdopen(in_w, "wb")
+        self.stdout = os.fdopen(out_r, "rb")
+
+    def _running(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._running():
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("labkit supervisor", timeout)
+            time.sleep(0.005)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 class RankProcs:
     """``world_size`` rank processes started by one supervisor.
 
@@ -68,10 +108,13 @@ class RankProcs:
         spec_path: where to write the supervisor's spec (inside ``cwd``).
         echo: forward the ranks' output (changeable later through :attr:`echo`).
         with_stdin: give each rank a pipe on stdin (:meth:`send` writes a line to it); else /dev/null.
+        fork: ``{"sys_path", "preload", "entries"}``: the supervisor imports ``preload`` once and forks each
+            rank, which calls ``entries[r]`` (``[module, function, args]``, what ``argvs[r]`` would run) —
+            supervisor.py's fast start; None: every rank is a fresh interpreter.
     """
 
     def __init__(self, argvs: list[list[str]], env: dict, cwd: Path, spec_path: Path, *, echo: bool = True,
-                 with_stdin: bool = False):
+                 with_stdin: bool = False, fork: dict | None = None):
         self.world_size = len(argvs)
         self.echo = echo
         self.codes: dict[int, int] = {}
@@ -93,11 +136,23 @@ class RankProcs:
                 self._stdin[r] = in_w
             ranks.append(entry)
             self.pumps[r] = (_Pump(r, out_r, False, self), _Pump(r, err_r, True, self))
-        spec_path.write_text(json.dumps({"parent_pid": os.getpid(), "ranks": ranks, "run_dir": str(cwd)}))
+        spec_path.write_text(json.dumps({"parent_pid": os.getpid(), "caller_pid": os.getpid(), "ranks": ranks,
+                                         "run_dir": str(cwd), "fork": fork, "env": env}))
         try:
-            self.sup = subprocess.Popen(boot_argv("labkit.runtime.supervisor", "main", [str(spec_path)]),
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, cwd=str(cwd),
-                                        env=env, pass_fds=child_fds, start_new_session=True)
+            self.sup = None
+            if fork is not None:  # forked by the rank template (zygote.py), which imported torch once
+                from labkit.runtime import zygote
+
+                template = zygote.get(env, fork["sys_path"])
+                if template is not None:
+                    try:
+                        self.sup = _ForkedSupervisor(template, str(spec_path), child_fds)
+                    except RuntimeError as e:  # the template died: start the supervisor ourselves
+                        print(f"labkit: {e}; starting the launch's supervisor directly", file=sys.stderr)
+            if self.sup is None:
+                self.sup = subprocess.Popen(boot_argv("labkit.runtime.supervisor", "main", [str(spec_path)]),
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                                            cwd=str(cwd), env=env, pass_fds=child_fds, start_new_session=True)
         finally:
             for fd in child_fds:
                 os.close(fd)

@@ -244,3 +244,20 @@ class Baseline:
 
 
 _MISSING = object()
+
+
+def reseed_as_fresh_process() -> None:
+    """Give a process forked from the rank template (zygote.py) the random state a fresh interpreter has:
+    torch's generator seeded from OS entropy, or with its fixed default seed where this torch starts every
+    process with it; Python's ``random`` and NumPy's global generator from OS entropy (a forked child otherwise
+    draws the very numbers its parent and its siblings draw)."""
+    import torch
+
+    if torch.initial_seed() == TORCH_FIXED_DEFAULT_SEED:
+        torch.manual_seed(TORCH_FIXED_DEFAULT_SEED)
+    else:
+        torch.seed()
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
