@@ -336,7 +336,9 @@ def measure_peak(n: int = 768, repeats: int = 10, tries: int = 3) -> dict:
     import torch
 
     from labkit.models import measure_matmul_peak
+    from labkit.runtime import zygote
 
+    zygote.settle()  # the rank template, when it is starting, imports torch on a core we are about to time
     cores = cpu_cores()
     tries = positive_int("tries", tries)
     before = torch.get_num_threads()

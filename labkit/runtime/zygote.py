@@ -138,6 +138,9 @@ def get(env: dict, sys_path: list[str]) -> Zygote | None:
             _CURRENT = z = None
         if z is None and key not in _FAILED:
             try:
+                if os.environ.get("LABKIT_TEMPLATE_LOG"):  # which callers start templates, and why (tests)
+                    with open(os.environ["LABKIT_TEMPLATE_LOG"], "a") as f:
+                        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), "key": key}) + "\n")
                 z = _CURRENT = Zygote(env, sys_path, key)
             except (OSError, RuntimeError) as e:
                 _FAILED.add(key)
@@ -159,6 +162,13 @@ def prestart() -> None:
         get(_rank_env(1), shipped_sys_path())
 
     threading.Thread(target=start, daemon=True, name="labkit-template-start").start()
+
+
+def settle() -> None:
+    """Wait until a template start in progress (:func:`prestart`) has finished: a measurement of what the
+    cores can do (a matmul peak) must not run beside its import of torch."""
+    with _LOCK:
+        pass
 
 
 def template_pid() -> int | None:

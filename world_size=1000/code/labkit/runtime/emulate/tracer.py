@@ -1,0 +1,568 @@
+"""Inside a rank: record the program's own sequence of events for the emulator (the trace format of
+:mod:`labkit.theory.replay`). Imports torch; the launcher's worker starts a :class:`Tracer` around the rank
+function when ``launch(..., emulate=...)`` is given, and ships ``tracer.stop()`` back with the result.
+
+What is observed, and how (every path is exercised by tests/test_emulate.py):
+
+* **compute** — a ``TorchDispatchMode`` sees every aten operation of the rank's main thread: FLOPs from
+  ``torch.utils.flop_counter``'s formula registry (mm, addmm, bmm, baddbmm, convolutions, the attention
+  kernels; plus the CPU flash-attention kernels, counted with the same formulas), bytes = the sum of the
+  input and output tensors' sizes (``numel * element_size``; outputs that are an input, as in in-place ops,
+  counted once): an upper bound of the memory traffic. Views, factory functions that only allocate
+  (``empty*``) and bookkeeping ops cost nothing. Operations on tensor subclasses (DTensor, FSDP2's,
+  AsyncCollectiveTensor) are handed to the subclass (``NotImplemented``), whose local operations are then seen.
+* **time.sleep(s)** on the main thread — ``s`` seconds of compute (a stand-in for that much work).
+* **collectives and p2p** through ``torch.distributed`` — the functions of ``torch.distributed`` and
+  ``torch.distributed.distributed_c10d`` are wrapped (so torch's own helpers, e.g. ``batch_isend_irecv``
+  and the object collectives, are seen too): op, the group's global ranks, S in the nccl-tests convention
+  (as :mod:`labkit.runtime.commlog` counts it), async or blocking, peer and tag. ``Work.wait()`` and
+  ``Future.wait()`` on their handles record where the program waits.
+* **functional collectives** (DTensor: ``torch.ops._c10d_functional.*``) — seen in the dispatch mode, async,
+  waited at ``wait_tensor``.
+* **collectives issued from C++** (DDP's reducer without a comm hook, DDP's construction) — seen in the
+  dispatch mode as ``c10d`` ops: inside a backward pass they are asynchronous and waited when the backward
+  returns (DDP's reducer waits for every bucket at the end of backward: ``finalize_backward``); elsewhere
+  blocking. The futures a DDP comm hook returns are waited at the same point.
+
+A collective issued from another thread than the one that runs the rank function raises RuntimeError (the
+dispatch mode cannot see that thread's compute, so its timeline would be wrong), and so does ``torch.compile``
+(compiled graphs hide their operations): a variant that cannot be emulated says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from labkit.runtime import timeline as _timeline
+from labkit.runtime.emulate import state
+from labkit.runtime.timeline import now_ns
+
+#: torch.distributed function -> (canonical op, kind). Ops priced by another op's formula: reduce like
+#: broadcast (a pipelined chain), gather and scatter like all_gather (the same (n-1)/n volume).
+FUNCTIONS = {
+    "all_reduce": ("all_reduce", "coll"), "all_reduce_coalesced": ("all_reduce", "coll"),
+    "all_gather": ("all_gather", "coll"), "all_gather_into_tensor": ("all_gather", "coll"),
+    "all_gather_single": ("all_gather", "coll"), "_all_gather_base": ("all_gather", "coll"),
+    "all_gather_coalesced": ("all_gather", "coll"),
+    "reduce_scatter": ("reduce_scatter", "coll"), "reduce_scatter_tensor": ("reduce_scatter", "coll"),
+    "reduce_scatter_single": ("reduce_scatter", "coll"), "_reduce_scatter_base": ("reduce_scatter", "coll"),
+    "all_to_all": ("all_to_all", "coll"), "all_to_all_single": ("all_to_all", "coll"),
+    "broadcast": ("broadcast", "coll"), "reduce": ("broadcast", "coll"),
+    "gather": ("all_gather", "coll"), "scatter": ("all_gather", "coll"),
+    "barrier": ("barrier", "coll"), "monitored_barrier": ("barrier", "coll"),
+    "send": ("send", "p2p"), "recv": ("recv", "p2p"), "isend": ("send", "p2p"), "irecv": ("recv", "p2p"),
+}
+#: the argument that holds S for each canonical op (nccl-tests convention: labkit.runtime.commlog)
+_S_ARGS = {
+    "all_gather": ("output_tensor", "tensor_list", "output_tensor_lists", "gather_list"),
+    "reduce_scatter": ("input", "input_list"),
+    "all_to_all": ("input", "input_tensor_list"),
+}
+#: dispatch-level c10d op -> canonical op, for collectives issued from C++
+_C10D = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
+         "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+         "allgather_coalesced_": "all_gather", "reduce_scatter_": "reduce_scatter",
+         "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+         "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "broadcast_": "broadcast",
+         "reduce_": "broadcast", "gather_": "all_gather", "scatter_": "all_gather", "barrier": "barrier"}
+_FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+               "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+               "all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+               "reduce_scatter_tensor_coalesced": "reduce_scatter", "all_to_all_single": "all_to_all",
+               "broadcast": "broadcast", "broadcast_": "broadcast"}
+_FREE_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+             "lift_fresh", "set_", "resize_", "detach", "alias", "_to_copy_meta", "is_same_size", "sym_size",
+             "sym_stride", "sym_numel", "_has_compatible_shallow_copy_type", "record_stream"}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SDPA_CPU = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+def _tensors(x, out: list) -> None:
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            if isinstance(y, torch.Tensor):
+                out.append(y)
+            elif isinstance(y, (list, tuple)):
+                _tensors(y, out)
+
+
+_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+           torch.float16: "float16"}
+#: the timeline clock's test skew (labkit.runtime.timeline.now_ns adds it), added to the fast path's readings
+_SKEW = _timeline._TEST_CLOCK_SKEW_NS
+
+
+def _mm(args, kwargs, out) -> int:  # a [m, k] @ b [k, n]: 2mkn
+    a, b = args[0].shape, args[1].shape
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _addmm(args, kwargs, out) -> int:  # bias + a [m, k] @ b [k, n]: 2mkn (the matmul, as torch counts it)
+    a, b = args[1].shape, args[2].shape
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _bmm(args, kwargs, out) -> int:  # a [B, m, k] @ b [B, k, n]: 2Bmkn
+    a, b = args[0].shape, args[1].shape
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
+def _baddbmm(args, kwargs, out) -> int:
+    a, b = args[1].shape, args[2].shape
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
+#: the matmul FLOP formulas of torch.utils.flop_counter (mm_flop, addmm_flop, bmm_flop, baddbmm_flop), on shapes
+#: directly: the registry's wrappers map over every argument, which costs more than the operation at lab sizes
+_MATMUL = {"mm": _mm, "addmm": _addmm, "bmm": _bmm, "baddbmm": _baddbmm}
+
+
+def _registry_flops(formula):
+    """torch.utils.flop_counter's formula (called as FlopCounterMode calls it), or None."""
+    if formula is None:
+        return None
+    return lambda args, kwargs, out: formula(*args, **kwargs, out_val=out)
+
+
+def _sdpa_flops(name: str, args) -> int:
+    """FLOPs of the CPU flash-attention kernels, with torch's formulas for the fused attention kernels
+    (grouped kv heads broadcast to the query heads, as the kernel does)."""
+    try:
+        if name.endswith("_backward"):
+            g, q, k, v = (tuple(a.shape) for a in args[:4])
+            k, v = (k[0], q[1], k[2], k[3]), (v[0], q[1], v[2], v[3])
+            return int(sdpa_backward_flop_count(g, q, k, v))
+        q, k, v = (tuple(a.shape) for a in args[:3])
+        return int(sdpa_flop_count(q, k, v))
+    except Exception:  # noqa: BLE001 - an unexpected shape: count the bytes only
+        return 0
+
+
+class _Mode(TorchDispatchMode):
+    """The dispatch mode that prices compute and sees functional and C++-issued collectives."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo by default, which imports
+        # torch._dynamo on the first operation (seconds) and adds a wrapper to every one; nothing is compiled
+        # under this mode (torch.compile'd code is not emulatable), so skip it
+        return False
+
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tracer = tracer
+        self.cache: dict = {}
+        try:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            self.fake = FakeTensor
+        except ImportError:  # pragma: no cover
+            self.fake = None
+
+    def _kind(self, func):
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        if ns == "c10d":
+            k = ("c10d", _C10D.get(name))
+        elif ns in ("_c10d_functional", "_c10d_functional_autograd"):
+            k = ("wait",) if name == "wait_tensor" else ("functional", _FUNCTIONAL.get(name))
+        elif ns == "profiler" or getattr(func, "is_view", False) or name in _FREE_OPS:
+            k = ("free",)
+        elif name in _SDPA_CPU:
+            k = ("sdpa", name)
+        elif name in _MATMUL:
+            k = ("op", _MATMUL[name])
+        else:
+            k = ("op", _registry_flops(flop_registry.get(func._overloadpacket)))
+        self.cache[id(func)] = (func, k)  # keep func alive: its id is the key
+        return k
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in types:
+            if t is not torch.Tensor and t is not torch.nn.Parameter:
+                if self.fake is not None and issubclass(t, self.fake):
+                    return func(*args, **kwargs)
+                return NotImplemented  # a tensor subclass: its own dispatch runs, its local ops come back here
+        entry = self.cache.get(id(func))
+        k = entry[1] if entry is not None else self._kind(func)
+        tr = self.tracer
+        kind = k[0]
+        if kind == "free" or tr.depth or threading.get_ident() != tr.main:
+            return func(*args, **kwargs)
+        if kind == "op" or kind == "sdpa":
+            t0 = time.monotonic_ns()
+            out = func(*args, **kwargs)
+            t1 = time.monotonic_ns()
+            nbytes, dtype, ins = 0, None, []
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    ins.append(a)
+                elif isinstance(a, (list, tuple)):
+                    _tensors(a, ins)
+            if kwargs:
+                for v in kwargs.values():
+                    _tensors(v, ins)
+            for a in ins:
+                nbytes += a.numel() * a.element_size()
+                if dtype is None and a.is_floating_point():
+                    dtype = a.dtype
+            if isinstance(out, torch.Tensor):
+                outs = (out,)
+            else:
+                outs = []
+                _tensors(out, outs)
+            for o in outs:
+                if not any(o is a for a in ins):
+                    nbytes += o.numel() * o.element_size()
+                    if dtype is None and o.is_floating_point():
+                        dtype = o.dtype
+            flops = 0
+            if kind == "sdpa":
+                flops = _sdpa_flops(k[1], args)
+            elif k[1] is not None:
+                try:
+                    flops = int(k[1](args, kwargs, out))
+                except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: bytes only
+                    flops = 0
+            if flops or nbytes:
+                tr.events.append(("c", t0 + _SKEW, t1 + _SKEW, flops, nbytes, _DTYPES.get(dtype, "float32")))
+            return out
+        if kind == "c10d":
+            return tr.c10d_op(func, k[1], args, kwargs)
+        if kind == "functional":
+            return tr.functional_op(func, k[1], args, kwargs)
+        # wait_tensor
+        t0 = now_ns()
+        out = func(*args, **kwargs)
+        uid = tr.tensor_uids.pop(id(args[0]), (None,))[0] if args else None
+        if uid is not None:
+            tr.events.append(("wait", t0, now_ns(), uid))
+        return out
+
+
+class Tracer:
+    """Records one rank's trace while active (module docstring). ``start()`` patches and pushes the dispatch
+    mode; ``stop()`` undoes everything and returns the event list. One Tracer per process at a time."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.events: list[tuple] = []
+        self.depth = 0
+        self.main = threading.get_ident()
+        self._uid = 0
+        self.works: dict[int, tuple] = {}  # id(Work) -> (uid, work)
+        self.futures: dict[int, tuple] = {}  # id(Future) -> (uid, future)
+        self.tensor_uids: dict[int, tuple] = {}  # id(functional collective output) -> (uid, tensor)
+        self.in_backward = 0
+        self.backward_pending: list[int] = []
+        self.hook_depth = 0
+        self.nbytes_override: int | None = None
+        self._saved: list[tuple] = []
+        self._mode: _Mode | None = None
+        self._sigs: dict = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def _patch(self, obj, name, value) -> None:
+        self._saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def start(self) -> Tracer:
+        if state.ACTIVE is not None:
+            raise RuntimeError("another emulation tracer is already active in this process")
+        c10d = dist.distributed_c10d
+        for name in FUNCTIONS:
+            orig = getattr(c10d, name, None)
+            if orig is None:
+                continue
+            w = self._wrap(name, orig)
+            self._patch(c10d, name, w)
+            if getattr(dist, name, None) is orig:
+                self._patch(dist, name, w)
+        self._patch(dist.Work, "wait", self._work_wait(dist.Work.wait))
+        self._patch(dist.Work, "get_future", self._work_future(dist.Work.get_future))
+        self._patch(torch.futures.Future, "wait", self._future_wait(torch.futures.Future.wait))
+        self._patch(time, "sleep", self._sleep(time.sleep))
+        self._patch(torch.autograd, "backward", self._backward(torch.autograd.backward))
+        self._patch(torch.autograd, "grad", self._backward(torch.autograd.grad))
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self._patch(DDP, "register_comm_hook", self._ddp_hook(DDP.register_comm_hook))
+        self._patch(torch, "compile", _no_compile)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        state.ACTIVE = self
+        return self
+
+    def stop(self) -> list[tuple]:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for obj, name, value in reversed(self._saved):
+            setattr(obj, name, value)
+        self._saved.clear()
+        if state.ACTIVE is self:
+            state.ACTIVE = None
+        self.works.clear()
+        self.futures.clear()
+        self.tensor_uids.clear()
+        return self.events
+
+    def uid(self) -> int:
+        self._uid += 1
+        return self._uid
+
+    def _info(self, name: str) -> dict:
+        info = {"name": name}
+        tr = sys.modules.get("labkit.runtime.training")
+        if tr is not None and getattr(tr.CURRENT, "step", -1) >= 0:
+            info["step"], info["microbatch"] = tr.CURRENT.step, tr.CURRENT.microbatch
+        return info
+
+    def _ranks(self, group) -> tuple:
+        if group is None or group is dist.GroupMember.WORLD:
+            return tuple(range(self.world_size))
+        return tuple(sorted(dist.get_process_group_ranks(group)))
+
+    def _check_thread(self, what: str) -> None:
+        if threading.get_ident() != self.main:
+            raise RuntimeError(f"{what} was issued from a thread other than the rank's main thread; emulation "
+                               "sees only the main thread's compute, so this run cannot be emulated (issue "
+                               "collectives from the thread that runs the rank function)")
+
+    # -- torch.distributed functions ----------------------------------------------------------------------------
+    def _wrap(self, name: str, fn):
+        op, kind = FUNCTIONS[name]
+        sig = inspect.signature(fn)
+
+        def wrapper(*args, **kwargs):
+            if self.depth:
+                return fn(*args, **kwargs)
+            self._check_thread(f"dist.{name}")
+            try:
+                a = sig.bind(*args, **kwargs).arguments
+            except TypeError:
+                return fn(*args, **kwargs)  # let torch raise its own error
+            group = a.get("group")
+            if group is dist.GroupMember.NON_GROUP_MEMBER:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            t0 = now_ns()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                t1 = now_ns()
+                self.depth -= 1
+            is_async = bool(a.get("async_op", False)) or name in ("isend", "irecv")
+            uid = self.uid()
+            info = self._info(op if kind == "coll" else name.lstrip("i"))
+            if kind == "coll":
+                ranks = self._ranks(group)
+                if self.rank in ranks:
+                    s = 0 if op == "barrier" else self._payload(op, a)
+                    if self.nbytes_override is not None and op != "barrier":
+                        s = self.nbytes_override
+                    self.events.append(("coll", t0, t1, uid, op, ranks, s, is_async, info))
+            else:
+                peer = self._peer(op, a, group, out)
+                s = _nbytes(a.get("tensor")) if self.nbytes_override is None else self.nbytes_override
+                self.events.append(("p2p", t0, t1, uid, op, peer, int(a.get("tag", 0) or 0), s, is_async, info))
+            if is_async and out is not None:
+                self._remember(out, uid)
+            if self.in_backward and self.hook_depth and is_async:
+                self.backward_pending.append(uid)
+            return out
+
+        wrapper._labkit_emulate = True
+        wrapper.__wrapped__ = fn
+        wrapper.__name__ = getattr(fn, "__name__", name)
+        return wrapper
+
+    def _payload(self, op: str, a: dict) -> int:
+        for key in _S_ARGS.get(op, ()):
+            if a.get(key) is not None:
+                return _nbytes(a[key])
+        if op in ("all_gather",) and "tensor" in a:  # gather without a list on this rank
+            return _nbytes(a["tensor"]) * self.world_size
+        return _nbytes(a.get("tensor", a.get("tensors", a.get("input_tensor"))))
+
+    def _peer(self, op: str, a: dict, group, out):
+        key, gkey = ("dst", "group_dst") if op == "send" else ("src", "group_src")
+        if a.get(key) is not None:
+            return int(a[key])
+        if a.get(gkey) is not None:
+            return int(dist.get_global_rank(group, a[gkey]))
+        if op == "recv" and isinstance(out, int) and out >= 0:
+            return out  # a blocking recv from any source returns the rank it heard from
+        return -1
+
+    def _remember(self, work, uid: int) -> None:
+        if isinstance(work, (list, tuple)):
+            for w in work:
+                self._remember(w, uid)
+            return
+        self.works[id(work)] = (uid, work)
+
+    def _work_wait(self, orig):
+        tracer = self
+
+        def wait(work, *args, **kwargs):
+            t0 = now_ns()
+            out = orig(work, *args, **kwargs)
+            entry = tracer.works.get(id(work))
+            if entry is not None and threading.get_ident() == tracer.main:
+                tracer.events.append(("wait", t0, now_ns(), entry[0]))
+            return out
+
+        return wait
+
+    def _work_future(self, orig):
+        tracer = self
+
+        def get_future(work, *args, **kwargs):
+            fut = orig(work, *args, **kwargs)
+            entry = tracer.works.get(id(work))
+            if entry is not None:
+                tracer.futures[id(fut)] = (entry[0], fut)
+            return fut
+
+        return get_future
+
+    def _future_wait(self, orig):
+        tracer = self
+
+        def wait(fut, *args, **kwargs):
+            t0 = now_ns()
+            out = orig(fut, *args, **kwargs)
+            entry = tracer.futures.get(id(fut))
+            if entry is not None and threading.get_ident() == tracer.main:
+                tracer.events.append(("wait", t0, now_ns(), entry[0]))
+            return out
+
+        return wait
+
+    # -- dispatch-level collectives ---------------------------------------------------------------------------
+    def c10d_op(self, func, op, args, kwargs):
+        """A c10d op no Python wrapper saw: issued from C++ (DDP's reducer, DDP's construction)."""
+        t0 = now_ns()
+        out = func(*args, **kwargs)
+        t1 = now_ns()
+        if op is None:
+            return out
+        pg = next((a for a in args if type(a).__name__ == "ProcessGroup"), None)
+        try:
+            ranks = self._ranks(pg)
+        except Exception:  # noqa: BLE001 - an unregistered group: the world
+            ranks = tuple(range(self.world_size))
+        # S as nccl-tests counts it: the (gathered) output's first argument, reduce-scatter's input (the second)
+        s = 0 if op == "barrier" else _nbytes(args[1]) if op == "reduce_scatter" else _nbytes(args[0])
+        uid = self.uid()
+        is_async = bool(self.in_backward)
+        self.events.append(("coll", t0, t1, uid, op, ranks, s, is_async, self._info(op)))
+        if is_async:
+            self.backward_pending.append(uid)
+        return out
+
+    def functional_op(self, func, op, args, kwargs):
+        """A functional collective (DTensor): asynchronous, waited at ``wait_tensor`` of its output."""
+        t0 = now_ns()
+        out = func(*args, **kwargs)
+        t1 = now_ns()
+        if op is None:
+            return out
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        name = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, str) and a not in
+                     ("sum", "avg", "max", "min", "product", "premul_sum")), None)
+        try:
+            ranks = self._ranks(_resolve_process_group(name)) if name is not None else self._ranks(None)
+        except Exception:  # noqa: BLE001
+            ranks = tuple(range(self.world_size))
+        s = _nbytes(out) if op == "all_gather" else _nbytes(args[0])
+        uid = self.uid()
+        self.events.append(("coll", t0, t1, uid, op, ranks, s, True, self._info(op)))
+        outs: list = []
+        _tensors(out, outs)
+        for t in outs:
+            self.tensor_uids[id(t)] = (uid, t)
+        return out
+
+    # -- sleep, backward, DDP hooks ------------------------------------------------------------------------------
+    def _sleep(self, orig):
+        tracer = self
+
+        def sleep(seconds):
+            t0 = now_ns()
+            orig(seconds)
+            if threading.get_ident() == tracer.main:
+                tracer.events.append(("s", t0, now_ns(), float(seconds)))
+
+        return sleep
+
+    def _backward(self, orig):
+        tracer = self
+
+        def backward(*args, **kwargs):
+            tracer.in_backward += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                tracer.in_backward -= 1
+                if not tracer.in_backward and tracer.backward_pending:
+                    t = now_ns()
+                    for uid in tracer.backward_pending:
+                        tracer.events.append(("wait", t, t, uid))
+                    tracer.backward_pending.clear()
+
+        backward.__wrapped__ = orig
+        return backward
+
+    def _ddp_hook(self, orig):
+        tracer = self
+
+        def register_comm_hook(ddp, hook_state, hook):
+            def traced(s, bucket):
+                tracer.hook_depth += 1
+                try:
+                    return hook(s, bucket)
+                finally:
+                    tracer.hook_depth -= 1
+
+            traced.__name__ = getattr(hook, "__name__", "hook")
+            try:
+                traced.__signature__ = inspect.signature(hook)
+            except (TypeError, ValueError):
+                pass
+            return orig(ddp, hook_state, traced)
+
+        return register_comm_hook
+
+
+def _no_compile(*args, **kwargs):
+    """``torch.compile`` inside an emulated rank: refused, because compiled graphs run their operations and
+    collectives where the tracer cannot see them (the run would get a wrong timeline)."""
+    raise RuntimeError("torch.compile cannot be emulated: compiled graphs hide their operations and collectives "
+                       "from the emulator's tracer; run this variant without emulate=, or without torch.compile "
+                       "(see labkit.runtime.emulate.VARIANTS)")
+
+
+def start(rank: int, world_size: int) -> Tracer:
+    """Start tracing this rank (the worker calls this when ``launch(..., emulate=...)``)."""
+    return Tracer(rank, world_size).start()
