@@ -77,16 +77,11 @@ class _ForkedSupervisor:
         self.stdin = os.fdopen(in_w, "wb")
         self.stdout = os.fdopen(out_r, "rb")
 
-    def _running(self) -> bool:
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
-            return False
-
     def wait(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._running():
+        from labkit.runtime.supervisor import process_running
+
+        while process_running(self.pid):
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired("labkit supervisor", timeout)
             time.sleep(0.005)

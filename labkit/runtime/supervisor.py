@@ -138,7 +138,7 @@ def _exit_code(pid: int) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-def _alive(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """``pid`` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -353,7 +353,7 @@ class _Supervisor:
         self.emit(ev="done")
         run_dir = self.spec.get("run_dir")
         caller = self.spec.get("caller_pid")
-        if run_dir and (not _alive(caller) if caller else os.getppid() != self.parent):
+        if run_dir and (not process_running(caller) if caller else os.getppid() != self.parent):
             shutil.rmtree(run_dir, ignore_errors=True)  # the caller died: nobody else will
 
 
