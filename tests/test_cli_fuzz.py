@@ -78,8 +78,10 @@ def _argv(command: tuple, parser: argparse.ArgumentParser):
 
 
 @pytest.fixture(scope="module")
-def stubbed():
-    """Nothing gets started: the spawn and the notebook runner stop the call once input is accepted."""
+def stubbed(tmp_path_factory):
+    """Nothing gets started: the spawn and the notebook runner stop the call once input is accepted. The calls
+    run in a temporary folder: a fuzzed ``labkit notebooks DEST`` writes a lab folder there, not into the
+    checkout (it once left 30 such folders, named " ", "0", "1e308", ..., in the repository)."""
     import labkit.notebooks
     import labkit.runtime.launcher as launcher
 
@@ -87,6 +89,7 @@ def stubbed():
         raise _Accepted()
 
     mp = pytest.MonkeyPatch()
+    mp.chdir(tmp_path_factory.mktemp("cli_fuzz_cwd"))
     mp.setattr(launcher, "RankSet", refuse)
     mp.setattr(labkit.notebooks, "run_chapters", refuse)
     import torch  # noqa: F401 - imported once here, not inside a timed call
