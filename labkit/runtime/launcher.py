@@ -40,6 +40,7 @@ import pandas as pd
 
 from labkit.checks import positive_float, positive_int
 from labkit.runtime import timeline as tl
+from labkit.runtime import zygote
 from labkit.runtime.shipping import ShipError, ship  # noqa: F401 - ShipError is part of launch's API
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -199,10 +200,6 @@ def remove_stale_launch_dirs(tmp: str | Path | None = None) -> list[Path]:
     return removed
 
 
-RANK_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "cloudpickle", "labkit.runtime.worker",
-                "labkit.runtime.reset")  # what every rank imports (torch._dynamo: at its first optimizer)
-
-
 def _rank_env(threads: int) -> dict:
     from labkit.runtime.rendezvous import pin_to_loopback
     from labkit.runtime.safepath import rank_pythonpath
@@ -242,17 +239,16 @@ class RankSet:
             (self.run_dir / "spec.json").write_text(json.dumps(spec))
             self.oom_before = oom_kill_counts()
             env = _rank_env(threads)
-            if os.environ.get("LABKIT_RANK_START", "fork") != "spawn":  # the rank template's one-time start
-                from labkit.runtime import zygote  # (import torch once per caller) is not the launch's time
-
+            forking = zygote.forking_enabled()
+            if forking:  # the rank template's one-time start (import torch once per caller): not the launch's time
                 zygote.get(env, spec["sys_path"])
             self.started = time.monotonic()
             entries = [["labkit.runtime.worker", "rank_main", [str(self.run_dir), str(r)]]
                        for r in range(world_size)]
             argvs = [boot_argv(*entry) for entry in entries]
-            fork = None  # ranks forked from a supervisor that imported torch once (supervisor.py)
-            if os.environ.get("LABKIT_RANK_START", "fork") != "spawn":
-                fork = {"sys_path": spec["sys_path"], "preload": list(RANK_PRELOAD), "entries": entries}
+            fork = None  # ranks forked from the template, or from a supervisor that imported the same once
+            if forking:
+                fork = {"sys_path": spec["sys_path"], "preload": list(zygote.PRELOAD), "entries": entries}
             self.procs = RankProcs(argvs, env, self.run_dir, self.run_dir / "supervisor.json",
                                    echo=echo, with_stdin=True, fork=fork)
         except BaseException:

@@ -21,7 +21,8 @@ The ranks get ``PR_SET_PDEATHSIG`` = SIGKILL relative to the supervisor (worker.
 is SIGKILLed, the ranks die with it, but processes they started are then re-parented to init: the one case
 not covered (it needs an outside SIGKILL of a process that holds a few MB).
 
-Fast start (``"fork"`` in the spec): the supervisor first imports what every rank imports (torch,
+Fast start (``"fork"`` in the spec, when the rank template of zygote.py could not start): the supervisor
+first imports what every rank imports (zygote.PRELOAD: torch,
 torch.distributed, cloudpickle, labkit's worker: about 4 s of CPU on a laptop core), then *forks* each rank
 from itself instead of starting a fresh interpreter, so N ranks pay that import once instead of N times. The
 forked rank resets what it inherited (signal handlers, the wake-up fd, every descriptor but its own stdin /

@@ -122,12 +122,18 @@ def _key(env: dict, sys_path: list[str]) -> str:
     return json.dumps([sys.executable, sys_path, kept])  # OMP_NUM_THREADS: each rank sets its threads itself
 
 
+def forking_enabled() -> bool:
+    """Whether ranks are forked (from the template, else from their supervisor): not under
+    ``LABKIT_RANK_START=spawn``, nor where the platform has no ``fork``."""
+    return os.environ.get("LABKIT_RANK_START", "fork") != "spawn" and hasattr(os, "fork")
+
+
 def get(env: dict, sys_path: list[str]) -> Zygote | None:
     """The template for ranks with this environment and ``sys_path`` (started now, blocking, when there is
     none), or None when ranks must start without one (it failed to start for this key, or
     ``LABKIT_RANK_START=spawn``)."""
     global _CURRENT
-    if os.environ.get("LABKIT_RANK_START", "fork") == "spawn" or not hasattr(os, "fork"):
+    if not forking_enabled():
         return None
     key = _key(env, sys_path)
     with _LOCK:
@@ -152,7 +158,7 @@ def prestart() -> None:
     """Start the template in the background now (chapters call this on import, so that the import of torch it
     pays runs beside the kernel's own imports and the first launch finds it ready). Nothing when ranks start
     without one."""
-    if os.environ.get("LABKIT_RANK_START", "fork") == "spawn" or not hasattr(os, "fork"):
+    if not forking_enabled():
         return
 
     def start() -> None:
@@ -280,4 +286,3 @@ def main(argv: list[str]) -> int:
         for fd in fds:
             os.close(fd)
         sock.send(json.dumps({"pid": pid}).encode())
-        time.sleep(0)
