@@ -25,7 +25,7 @@ DEFAULT_CELL_TIMEOUT_S = 600.0
 
 def discover(chapters: list[str] | None = None, folder: str | Path | None = None) -> list[Path]:
     """Chapter notebooks ``NN_topic.ipynb`` in ``folder`` (default notebooks/), sorted; ``chapters`` keeps
-    those whose number is listed ("00", "2" and "02" both name chapter 02).
+    those whose number is listed, in the order listed, each once ("2" and "02" both name chapter 02).
 
     Raises ValueError for a chapter that does not exist (listing the ones that do).
     """
@@ -38,7 +38,8 @@ def discover(chapters: list[str] | None = None, folder: str | Path | None = None
         key = str(c).strip().zfill(2)
         if key not in found:
             raise ValueError(f"chapter {c!r} not found in {folder}; chapters: {', '.join(found) or 'none'}")
-        out.append(found[key])
+        if found[key] not in out:  # "00,0" would run chapter 00 twice into the same executed copy
+            out.append(found[key])
     return out
 
 
@@ -106,12 +107,14 @@ def check_parameters(paths: list[Path], parameters: dict) -> None:
 
 
 def run_notebook(path: str | Path, output: str | Path, parameters: dict | None = None,
-                 cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, kernel_name: str = "python3") -> dict:
+                 cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, kernel_name: str = "python3",
+                 kernel_manager_class=None) -> dict:
     """Execute one notebook; return a summary row (never raises for a failing notebook).
 
     Only the ``parameters`` the notebook declares are passed to it. Status is ``ok``, ``failed`` (a cell
     raised: its error is in ``error``), or ``timeout`` (a cell exceeded ``cell_timeout_s``, or the kernel
-    died).
+    died). ``kernel_manager_class``: jupyter_client's manager for its kernel (what
+    ``runtime.kernels.kernel_template()`` yields: a kernel forked from the template), default a fresh kernel.
     """
     import papermill
     from papermill.exceptions import PapermillExecutionError
@@ -129,7 +132,8 @@ def run_notebook(path: str | Path, output: str | Path, parameters: dict | None =
                                    # kernel chatter is noise here: ipykernel 7's TCP warning at start-up, and
                                    # "KeyboardInterrupt caught in kernel" when jupyter_client interrupts the
                                    # kernel before every shutdown; a cell's errors reach its outputs anyway
-                                   extra_arguments=["--IPKernelApp.log_level=CRITICAL"])
+                                   extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
+                                   **({"kernel_manager_class": kernel_manager_class} if kernel_manager_class else {}))
     except PapermillExecutionError as e:
         status = "failed"
         error = f"cell {e.exec_count}: {e.ename}: {e.evalue}".strip()
@@ -280,6 +284,8 @@ def run_chapters(chapters: list[str] | None = None, out: str | Path | None = Non
     """
     from tqdm.auto import tqdm
 
+    from labkit.runtime.kernels import kernel_template
+
     paths = discover(chapters)
     if not paths:
         raise ValueError(f"no chapter notebooks found in {notebooks_dir()}")
@@ -289,9 +295,10 @@ def run_chapters(chapters: list[str] | None = None, out: str | Path | None = Non
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     bar = tqdm(paths, desc="chapters", unit="nb", disable=not progress, file=sys.stderr)
-    for p in bar:
-        bar.set_postfix_str(p.name)
-        rows.append(run_notebook(p, out / p.name, parameters, cell_timeout_s, kernel_name))
+    with kernel_template() as manager:  # each chapter's kernel forked from one that imported torch & co once
+        for p in bar:
+            bar.set_postfix_str(p.name)
+            rows.append(run_notebook(p, out / p.name, parameters, cell_timeout_s, kernel_name, manager))
     df = pd.DataFrame(rows, columns=["notebook", "status", "seconds", "parameters", "error", "output"])
     df.to_csv(out / "summary.csv", index=False)
     return df

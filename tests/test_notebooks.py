@@ -136,6 +136,7 @@ def test_a_cell_that_lasted_the_timeout_is_not_ok(tmp_path):
 
 
 def test_discover_and_parameters_errors(tmp_path):
+    assert [p.name[:2] for p in notebooks.discover(["02", "0", "2", "00"])] == ["02", "00"]  # each once
     with pytest.raises(ValueError, match="chapter '7' not found"):
         notebooks.discover(["7"], folder=tmp_path)
     assert notebooks.parse_parameters(["world_size=4", "fast=true", "name=abc"]) == {
@@ -150,10 +151,21 @@ def test_discover_and_parameters_errors(tmp_path):
         notebooks.parse_parameters(["4"])
 
 
+@pytest.fixture(scope="module")
+def chapter_kernels():
+    """One kernel template for this file's chapter runs, as ``labkit run`` has (runtime/kernels.py); fresh
+    kernels run chapters in test_measure, test_tensor_parallel, test_kernels and the browser test."""
+    from labkit.runtime.kernels import kernel_template
+
+    with kernel_template() as manager:
+        yield manager
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
-def test_chapter_executes_with_defaults(path, tmp_path):
-    row = notebooks.run_notebook(path, tmp_path / path.name, cell_timeout_s=300)
+def test_chapter_executes_with_defaults(path, tmp_path, chapter_kernels):
+    row = notebooks.run_notebook(path, tmp_path / path.name, cell_timeout_s=300,
+                                 kernel_manager_class=chapter_kernels)
     assert row["status"] == "ok", f"{path.name}: {row['error']} (executed copy: {row['output']})"
     assert notebooks_dir() == path.parent
 

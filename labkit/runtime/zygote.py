@@ -45,31 +45,77 @@ START_TIMEOUT_S = 300.0  # preloading takes ~10 s of CPU; a loaded 2-core machin
 _LOCK = threading.Lock()
 _CURRENT: Zygote | None = None
 _FAILED: set[str] = set()
+_PRESTART = True  # False in a template: importing labkit.chapters there must not start a thread
 
 
 class Zygote:
     """The caller's side of one template process (module docstring). Internal: launches use :func:`get`."""
 
-    def __init__(self, env: dict, sys_path: list[str], key: str):
+    def __init__(self, key: str, proc, sock: socket.socket):
+        self.key, self.owner, self.proc, self.sock = key, os.getpid(), proc, sock
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, env: dict, sys_path: list[str], key: str, preload: tuple[str, ...] = PRELOAD,
+              kernels: bool = False) -> Zygote:
+        """Start a template process that imports ``preload`` (blocking until it has); ``kernels``: it also
+        forks notebook kernels (kernels.py). Raises RuntimeError when it did not start."""
         from labkit.runtime.safepath import boot_argv
 
-        self.key, self.owner = key, os.getpid()
-        self._lock = threading.Lock()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cfg = json.dumps({"sys_path": sys_path, "preload": list(PRELOAD)})
+        cfg = json.dumps({"sys_path": sys_path, "preload": list(preload), "kernels": kernels})
         try:
-            self.proc = subprocess.Popen(boot_argv("labkit.runtime.zygote", "main", [str(theirs.fileno()), cfg]),
-                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None,
-                                         cwd=os.path.realpath(os.sep), env=env, pass_fds=[theirs.fileno()],
-                                         start_new_session=True)
+            proc = subprocess.Popen(boot_argv("labkit.runtime.zygote", "main", [str(theirs.fileno()), cfg]),
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None,
+                                    cwd=os.path.realpath(os.sep), env=env, pass_fds=[theirs.fileno()],
+                                    start_new_session=True)
         finally:
             theirs.close()
-        self.sock = ours
+        z = cls(key, proc, ours)
         ready, _, _ = select.select([ours], [], [], START_TIMEOUT_S)
         reply = ours.recv(65536) if ready else b""
         if reply != b"ready":
-            self.close()
-            raise RuntimeError(f"the rank template did not start: {reply.decode(errors='replace') or 'no reply'}")
+            z.close()
+            raise RuntimeError(f"the template did not start: {reply.decode(errors='replace') or 'no reply'}")
+        return z
+
+    @classmethod
+    def fork_here(cls, key: str) -> Zygote:
+        """Fork a template from this process, which has imported :data:`PRELOAD` and runs no other thread
+        (a kernel forked from a kernel template, kernels.py, before its kernel starts): the template for
+        this process's ranks, ready at once. ``key``: what :func:`get` will ask for."""
+        if threading.active_count() != 1:
+            raise RuntimeError("a rank template can only be forked from a single-threaded process")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        r, w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ours.close()
+                os.close(w)
+                os.dup2(r, 0)
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)  # as a started template: stdout to nowhere, stderr the caller's
+                keep = sorted({0, 1, 2, theirs.fileno()})
+                for lo, hi in zip([-1, *keep], [*keep, 1 << 16]):  # nothing else of the caller's stays open
+                    if lo + 1 < hi:  # os.closerange(n, n) is not empty on Linux: close_range(n, n - 1) is all
+                        os.closerange(lo + 1, hi)
+                os.setsid()
+                os.chdir(os.path.realpath(os.sep))
+                code = _serve(theirs, kernels=False)
+            except BaseException:  # noqa: BLE001 - said on stderr; the caller sees a dead template
+                import traceback
+
+                traceback.print_exc()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        os.close(r)
+        theirs.close()
+        return cls(key, _Child(pid, os.fdopen(w, "wb")), ours)
 
     @property
     def pid(self) -> int:
@@ -82,15 +128,20 @@ class Zygote:
         """Fork a supervisor for the launch whose spec is ``spec_path``; ``fds``: its control stdin (read end),
         its control stdout (write end), then the ranks' pipe ends in the order the spec lists them. Returns the
         supervisor's pid. Raises RuntimeError when the template is gone."""
+        return self.request({"spec": spec_path}, fds)
+
+    def request(self, req: dict, fds: list[int]) -> int:
+        """Send one request (a launch's spec, or a kernel for a kernel template) with ``fds``; the pid of the
+        child the template forked for it. Raises RuntimeError when the template is gone or refused."""
         with self._lock:
             try:
-                socket.send_fds(self.sock, [json.dumps({"spec": spec_path}).encode()], fds)
+                socket.send_fds(self.sock, [json.dumps(req).encode()], fds)
                 ready, _, _ = select.select([self.sock], [], [], 60.0)
                 reply = json.loads(self.sock.recv(65536) or b"{}") if ready else {}
             except (OSError, ValueError) as e:
-                raise RuntimeError(f"the rank template is gone ({e})") from None
+                raise RuntimeError(f"the template is gone ({e})") from None
         if "pid" not in reply:
-            raise RuntimeError(f"the rank template refused the launch: {reply.get('error', 'no reply')}")
+            raise RuntimeError(f"the template refused the request: {reply.get('error', 'no reply')}")
         return int(reply["pid"])
 
     def close(self) -> None:
@@ -111,15 +162,50 @@ class Zygote:
             self.proc.wait()
 
 
+class _Child:
+    """The part of ``subprocess.Popen`` that :class:`Zygote` uses, for a template forked by
+    :meth:`Zygote.fork_here` (a child of this process, not started from a command)."""
+
+    def __init__(self, pid: int, stdin):
+        self.pid, self.stdin, self.returncode = pid, stdin, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = self.pid, 0
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank template {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 #: environment variables read when torch and its libraries load (a template made under other values is not
 #: reused); every other variable is read at run time, and a forked rank gets the launch's environment
 IMPORT_TIME_ENV = ("PYTHON", "TORCH", "OMP_", "KMP_", "MKL_", "OPENBLAS", "GOMP", "LD_", "CUDA", "NCCL",
                    "NVIDIA", "HIP", "ROCM", "LABKIT_RANK_START")
 
 
+def import_time_env(env: dict) -> list[tuple[str, str]]:
+    """The variables of ``env`` that torch and its libraries read when imported (:data:`IMPORT_TIME_ENV`),
+    sorted; ``OMP_NUM_THREADS`` left out: each rank (and kernel) sets its threads itself."""
+    return sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "OMP_NUM_THREADS")
+
+
 def _key(env: dict, sys_path: list[str]) -> str:
-    kept = sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "OMP_NUM_THREADS")
-    return json.dumps([sys.executable, sys_path, kept])  # OMP_NUM_THREADS: each rank sets its threads itself
+    return json.dumps([sys.executable, sys_path, import_time_env(env)])
 
 
 def forking_enabled() -> bool:
@@ -146,8 +232,9 @@ def get(env: dict, sys_path: list[str]) -> Zygote | None:
             try:
                 if os.environ.get("LABKIT_TEMPLATE_LOG"):  # which callers start templates, and why (tests)
                     with open(os.environ["LABKIT_TEMPLATE_LOG"], "a") as f:
-                        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), "key": key}) + "\n")
-                z = _CURRENT = Zygote(env, sys_path, key)
+                        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), "key": key,
+                                            "argv": sys.argv[:3]}) + "\n")
+                z = _CURRENT = Zygote.start(env, sys_path, key)
             except (OSError, RuntimeError) as e:
                 _FAILED.add(key)
                 print(f"labkit: ranks start as fresh interpreters ({e})", file=sys.stderr)
@@ -155,11 +242,11 @@ def get(env: dict, sys_path: list[str]) -> Zygote | None:
 
 
 def prestart() -> None:
-    """Start the template in the background now (chapters call this on import, so that the import of torch it
-    pays runs beside the kernel's own imports and the first launch finds it ready). Nothing when ranks start
-    without one."""
-    if not forking_enabled():
-        return
+    """Start the template in the background now (chapters call this on import in a Jupyter kernel, so that the
+    import of torch it pays runs beside the kernel's own imports and the first launch finds it ready). Nothing
+    outside a kernel, in a template, or when ranks start without one."""
+    if not forking_enabled() or not _PRESTART or "ipykernel" not in sys.modules:
+        return  # a script, the CLI, a template: a launch starts the template when it needs one
 
     def start() -> None:
         from labkit.runtime.launcher import _rank_env
@@ -191,6 +278,14 @@ def close() -> None:
         z, _CURRENT = _CURRENT, None
     if z is not None:
         z.close()
+
+
+def adopt(z: Zygote) -> None:
+    """Make ``z`` (:meth:`Zygote.fork_here`) this process's template: :func:`get` returns it while the key
+    matches."""
+    global _CURRENT
+    with _LOCK:
+        _CURRENT = z
 
 
 atexit.register(close)
@@ -234,12 +329,11 @@ def _become_supervisor(req: dict, fds: list[int]) -> None:
 
 def main(argv: list[str]) -> int:
     """``boot_argv("labkit.runtime.zygote", "main", [SOCKET_FD, CONFIG_JSON])``."""
+    global _PRESTART
     import importlib
     import warnings
 
-    from labkit.runtime.supervisor import set_process_name
-
-    set_process_name("labkit-template")
+    _PRESTART = False
     sock = socket.socket(fileno=int(argv[0]))
     cfg = json.loads(argv[1])
     for p in reversed(cfg["sys_path"]):
@@ -249,13 +343,26 @@ def main(argv: list[str]) -> int:
         warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)  # Python 3.12+
         for name in cfg["preload"]:
             importlib.import_module(name)
+        if cfg.get("kernels"):
+            from labkit.runtime import kernels
+
+            kernels.check_preloaded()
     except BaseException as e:  # noqa: BLE001 - told to the caller, which starts ranks without us
         sock.send(f"{type(e).__name__}: {e}".encode()[:60000])
         return 1
     sock.send(b"ready")
+    return _serve(sock, kernels=bool(cfg.get("kernels")))
+
+
+def _serve(sock: socket.socket, kernels: bool) -> int:
+    """The template's loop: fork a launch's supervisor (or, with ``kernels``, a notebook kernel) for each
+    request on ``sock``, until the caller is gone (EOF on stdin or on ``sock``)."""
+    from labkit.runtime.supervisor import set_process_name
+
+    set_process_name("labkit-kernels" if kernels else "labkit-template")
     while True:
         try:
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # reap supervisors that ended
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # reap supervisors (kernels) that ended
                 pass
         except ChildProcessError:
             pass
@@ -265,13 +372,15 @@ def main(argv: list[str]) -> int:
         if sock not in ready:
             continue
         try:
-            msg, fds, _, _ = socket.recv_fds(sock, 65536, 256)
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 256)
         except OSError:
             return 0
         if not msg:
             return 0
         try:
             req = json.loads(msg)
+            if ("kernel" in req) != kernels:
+                raise ValueError
         except ValueError:
             for fd in fds:
                 os.close(fd)
@@ -282,6 +391,10 @@ def main(argv: list[str]) -> int:
         pid = os.fork()
         if pid == 0:
             sock.close()
+            if kernels:
+                from labkit.runtime.kernels import become_kernel
+
+                become_kernel(req["kernel"], fds)
             _become_supervisor(req, fds)
         for fd in fds:
             os.close(fd)
