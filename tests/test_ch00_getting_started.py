@@ -17,6 +17,17 @@ def test_check_chapter_refuses_bad_emulate_and_prediction():
         ch.check_chapter(**{**good, "my_prediction": "forty"})
     with pytest.raises(ValueError, match="world_size=9 cannot be placed"):
         ch.check_chapter(**{**good, "world_size": 9})
+    # a step count is bounded (a fuzzed steps=10**9 ran until the cell timeout), in every chapter with one
+    from labkit.chapters.common import MAX_STEPS
+
+    ch.check_chapter(**{**good, "steps": MAX_STEPS})
+    with pytest.raises(ValueError, match=f"steps=1000000000 is too large.*at most {MAX_STEPS}"):
+        ch.check_chapter(**{**good, "steps": 10**9})
+    import pathlib
+    import re
+
+    for path in sorted(pathlib.Path(ch.__file__).parent.glob("ch*.py")):  # every chapter's step counts
+        assert not re.search(r'positive_int\("\w*steps"', path.read_text()), path.name
 
 
 def _frame(arrivals_ms, ends_ms):

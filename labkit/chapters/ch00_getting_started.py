@@ -11,8 +11,8 @@ import math
 
 import pandas as pd
 
-from labkit.chapters.common import as_emulate, check_world_size
-from labkit.checks import positive_float, positive_int
+from labkit.chapters.common import as_emulate, check_steps, check_world_size
+from labkit.checks import positive_float
 
 #: the collective's own cost (time inside all_reduce beyond the predicted wait) counts as "small" below this
 #: share of the straggler's predicted wait: the free-communication prediction then explains the wait
@@ -53,7 +53,7 @@ def check_chapter(*, world_size: int, emulate, my_prediction, work_ms: float, st
     check_emulate(emulate, world_size)
     check_prediction(my_prediction)
     positive_float("work_ms", work_ms)
-    positive_int("steps", steps)
+    check_steps("steps", steps)
     positive_float("timeout_s", timeout_s)
 
 

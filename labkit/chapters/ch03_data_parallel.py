@@ -7,7 +7,7 @@ The strategies are in :mod:`labkit.parallel.data`, their formulas in :mod:`labki
 
 from __future__ import annotations
 
-from labkit.chapters.common import charged_emulation_plan, check_fits_in_memory, check_world_size
+from labkit.chapters.common import charged_emulation_plan, check_fits_in_memory, check_steps, check_world_size
 from labkit.checks import positive_int
 from labkit.experiments.data import accumulation_demo_rank, run_rank, scaling_rank
 from labkit.parallel.data import DEFAULT_BUCKET_CAP_BYTES
@@ -38,7 +38,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, model: str = 
     n = check_world_size("03", world_size, why="with one rank there is no gradient to average, and the "
                                  "wrong-sync run cannot leave ranks disagreeing")
     spec = get_spec(model)
-    steps = positive_int("steps", steps)
+    steps = check_steps("steps", steps)
     m = positive_int("n_microbatches", n_microbatches)
     if m < 2:
         raise ValueError(f"n_microbatches={m}: chapter 03's accumulation runs need n_microbatches >= 2 (the bug it "
@@ -52,7 +52,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, model: str = 
     if not sizes:
         raise ValueError(f"scaling_batch_sizes={scaling_batch_sizes!r} is empty: give at least one local batch "
                          "size, e.g. (1, 2, 4, 8)")
-    positive_int("scaling_steps", scaling_steps)
+    check_steps("scaling_steps", scaling_steps)
     check_fits_in_memory(spec, n, copies=2, what="chapter 03")
     check_prediction(my_prediction)
     plan = emulation_plan(emulate, emulated_ranks, charge_as, charged_seq_len, model) if emulate else None

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from labkit.chapters.common import charged_emulation_plan, check_fits_in_memory, check_world_size
-from labkit.checks import check_choice, positive_int
+from labkit.chapters.common import charged_emulation_plan, check_fits_in_memory, check_steps, check_world_size
+from labkit.checks import check_choice
 from labkit.experiments.common import _runs
 from labkit.experiments.zero import memory_rank, run_rank
 from labkit.theory.data import check_batch
@@ -38,7 +38,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, model: str = 
     n = check_world_size("04", world_size, why="with one rank nothing is sharded, so every stage holds "
                                  "the same bytes and sends none")
     spec = get_spec(model)
-    steps = positive_int("steps", steps)
+    steps = check_steps("steps", steps)
     if global_batch_size is None:
         global_batch_size = 4 * n
     local = check_batch(n, global_batch_size, dp_name="world_size")

@@ -9,7 +9,7 @@ The strategy is :mod:`labkit.parallel.tensor`, its formulas :mod:`labkit.theory.
 
 from __future__ import annotations
 
-from labkit.chapters.common import as_emulate, check_fits_in_memory, check_world_size
+from labkit.chapters.common import as_emulate, check_fits_in_memory, check_steps, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.experiments.tensor import (
     COMM_RUNS,
@@ -60,8 +60,8 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, emulate_tp=No
                          "bias on every rank); use gelu_model='lab-tiny-gpt'")
     batch_size, time_batch_size = positive_int("batch_size", batch_size), positive_int("time_batch_size",
                                                                                          time_batch_size)
-    positive_int("train_steps", train_steps)
-    positive_int("time_steps", time_steps)
+    check_steps("train_steps", train_steps)
+    check_steps("time_steps", time_steps)
     positive_float("timeout_s", timeout_s)
     for name, t in (("seq_len", seq_len), ("time_seq_len", time_seq_len)):
         for s in (spec, gspec):

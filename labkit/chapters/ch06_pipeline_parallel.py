@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from labkit.chapters.common import as_emulate, check_fits_in_memory, check_world_size
+from labkit.chapters.common import as_emulate, check_fits_in_memory, check_steps, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.runtime import timeline as tl
 from labkit.theory import simulate as sim
@@ -105,7 +105,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatche
         raise ValueError(f"bubble_tol={bubble_tol} must be below 1 (a bubble fraction is between 0 and 1); "
                          "e.g. bubble_tol=0.05")
     positive_float("timeout_s", timeout_s)
-    steps = positive_int("steps", steps)
+    steps = check_steps("steps", steps)
     spec = get_spec(spec_name).replace(n_layers=2 * p, vocab_size=positive_int("vocab_size", vocab_size))
     costs = OpCosts(f=op_s, b=op_s, w=op_s)
     ms = sorted({k * p for k in ks} | {m})

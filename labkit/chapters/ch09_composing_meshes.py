@@ -9,7 +9,7 @@ The runs it launches are :func:`labkit.experiments.composed.run_composed` (the c
 
 from __future__ import annotations
 
-from labkit.chapters.common import check_fits_in_memory, check_number_prediction, check_world_size
+from labkit.chapters.common import check_fits_in_memory, check_number_prediction, check_steps, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.theory.composed import check_runs
 from labkit.theory.published import MFU_BAND, validate_published, validation_table
@@ -43,7 +43,8 @@ def check_chapter(*, world_size: int, model: str, steps: int, seq_len: int, n_mi
     if world_size % 2:
         raise ValueError(f"chapter 09 needs an even world_size (tp or pp = 2, dp = world_size / 2), got "
                          f"world_size={world_size}; use {world_size - 1} or {world_size + 1}")
-    for name, value in (("steps", steps), ("seq_len", seq_len), ("n_microbatches", n_microbatches),
+    check_steps("steps", steps)
+    for name, value in (("seq_len", seq_len), ("n_microbatches", n_microbatches),
                         ("plan_gpus", plan_gpus), ("gpus_per_node", gpus_per_node), ("plan_seq_len", plan_seq_len),
                         ("plan_global_batch", plan_global_batch)):
         positive_int(name, value)

@@ -7,6 +7,15 @@ from __future__ import annotations
 from labkit.checks import positive_int
 from labkit.runtime.probes import available_memory_bytes
 
+#: the most training steps a chapter parameter takes: a chapter is a few steps per configuration, and a run of
+#: more would outlast the cell timeout before it said anything
+MAX_STEPS = 10_000
+
+
+def check_steps(name: str, value) -> int:
+    """``value`` as an int in 1..:data:`MAX_STEPS`; ValueError naming ``name``, the value and the range."""
+    return positive_int(name, value, maximum=MAX_STEPS)
+
 
 def check_world_size(chapter: str, world_size, *, minimum: int = 2, why: str = "") -> int:
     """Return ``world_size`` as int; ValueError "chapter NN needs world_size >= minimum ..." (with ``why``)
