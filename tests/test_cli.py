@@ -29,6 +29,7 @@ def run_cli(*args):
     (["run", "--chapters", "00", "-p", "wrld_size=4"], "wrld_size declared by none"),
     (["run", "--chapters", "00", "--out", "/proc/forbidden/x"], "No such file or directory"),
     (["nosuchcommand"], "invalid choice"),
+    (["plan", "--validate", "--gpus", "8"], "--gpus does not apply to --validate"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle, capsys):
     with pytest.raises(SystemExit) as info:

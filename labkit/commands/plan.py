@@ -93,6 +93,12 @@ def run(args) -> int:
     if args.validate:
         from labkit.theory.published import validate_published, validation_table
 
+        ignored = _set_options(args) - {"--validate", "--mfu", "--convention", "--activations", "--headroom", "--json"}
+        if ignored:  # each published run is checked at its own model, GPU count and batch
+            raise ValueError(f"{', '.join(sorted(ignored))} do{'es' if len(ignored) == 1 else ''} not apply to "
+                             "--validate (each published run is planned at its own model, GPUs and batch); "
+                             "--validate takes --mfu, --convention, --activations, --headroom and --json")
+
         rows = validate_published(mfu=args.mfu, convention=args.convention, activations=args.activations,
                                   headroom=args.headroom)
         if args.json:
@@ -122,3 +128,14 @@ def run(args) -> int:
         return 0
     print(result.table(top=top, n_rejected=n_rejected))
     return 0
+
+
+def _set_options(args) -> set[str]:
+    """The options of ``args`` given a value other than their default, by their flag (``--gpus``)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    flags = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+    defaults = vars(p.parse_args([]))
+    return {flags[k] for k, v in vars(args).items() if k in flags and v != defaults[k]}
