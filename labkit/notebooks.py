@@ -7,6 +7,7 @@ a ``summary.csv`` (notebook, status, seconds, parameters, error).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -104,6 +105,50 @@ def check_parameters(paths: list[Path], parameters: dict) -> None:
     if unknown:
         raise ValueError(f"parameter(s) {', '.join(unknown)} declared by none of the chosen chapters; "
                          f"they declare: {', '.join(sorted(declared)) or 'nothing'}")
+
+
+def refused_chapters(paths: list[Path], parameters: dict) -> dict[Path, str]:
+    """Run each chapter's own parameter check here, before any kernel starts: the ``ch.check_chapter(name=name,
+    ...)`` call of the code cell after its ``parameters`` cell, with the cell's defaults and ``parameters``
+    applied as papermill applies them. Returns ``{path: "chapter NN: <its ValueError>"}`` for the chapters
+    that refuse (``world_size=3`` where a strategy needs an even one). A chapter whose check is not such a
+    call (or needs a value computed in the notebook) is left to its first cell."""
+    refused: dict[Path, str] = {}
+    import ast
+    import importlib
+
+    import nbformat
+
+    for path in paths:
+        cells = nbformat.read(str(path), as_version=4).cells
+        at = next((i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", [])), None)
+        first = next((c for c in cells[at + 1:] if c.cell_type == "code"), None) if at is not None else None
+        if first is None:
+            continue
+        try:
+            tree = ast.parse(first.source)
+        except SyntaxError:
+            continue
+        modules = {a.asname or a.name: f"labkit.chapters.{a.name}" for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom) and node.module == "labkit.chapters" for a in node.names}
+        call = next((n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                     and n.func.attr == "check_chapter" and isinstance(n.func.value, ast.Name)
+                     and n.func.value.id in modules), None)
+        if call is None or call.args or not all(isinstance(k.value, (ast.Name, ast.Constant)) for k in call.keywords):
+            continue
+        names: dict = {}
+        exec(compile(cells[at].source, str(path), "exec"), {}, names)  # the chapter's own defaults cell
+        names.update({k: v for k, v in parameters.items() if k in names})
+        if not all(isinstance(k.value, ast.Constant) or k.value.id in names for k in call.keywords):
+            continue
+        kwargs = {k.arg: k.value.value if isinstance(k.value, ast.Constant) else names[k.value.id]
+                  for k in call.keywords}
+        try:
+            importlib.import_module(modules[call.func.value.id]).check_chapter(**kwargs)
+        except ValueError as e:
+            why, nn = (str(e).splitlines() or [type(e).__name__])[0], f"chapter {path.name[:2]}"
+            refused[path] = why if why.startswith(nn) else f"{nn}: {why}"
+    return refused
 
 
 def run_notebook(path: str | Path, output: str | Path, parameters: dict | None = None,
@@ -277,8 +322,9 @@ def check_kernel(kernel_name: str) -> None:
 
 def run_chapters(chapters: list[str] | None = None, out: str | Path | None = None, parameters: dict | None = None,
                  cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S, kernel_name: str = "python3",
-                 progress: bool = True) -> pd.DataFrame:
+                 progress: bool = True, refused: dict | None = None) -> pd.DataFrame:
     """Execute chapters into ``out`` (default ``runs/<UTC stamp>/``); finish all even when one fails.
+    ``refused`` (:func:`refused_chapters`): chapters not run, listed with status ``refused`` and the reason.
 
     Returns the summary DataFrame (also written to ``out/summary.csv``).
     """
@@ -295,9 +341,15 @@ def run_chapters(chapters: list[str] | None = None, out: str | Path | None = Non
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     bar = tqdm(paths, desc="chapters", unit="nb", disable=not progress, file=sys.stderr)
-    with kernel_template() as manager:  # each chapter's kernel forked from one that imported torch & co once
+    todo = [p for p in paths if p not in (refused or {})]
+    # each chapter's kernel is forked from one that imported torch & co once (none to start for no chapter)
+    with kernel_template() if todo else contextlib.nullcontext() as manager:
         for p in bar:
             bar.set_postfix_str(p.name)
+            if p in (refused or {}):
+                rows.append({"notebook": p.name, "status": "refused", "seconds": 0.0, "parameters": {},
+                             "error": refused[p], "output": ""})
+                continue
             rows.append(run_notebook(p, out / p.name, parameters, cell_timeout_s, kernel_name, manager))
     df = pd.DataFrame(rows, columns=["notebook", "status", "seconds", "parameters", "error", "output"])
     df.to_csv(out / "summary.csv", index=False)

@@ -30,6 +30,8 @@ def run_cli(*args):
     (["run", "--chapters", "00", "--out", "/proc/forbidden/x"], "No such file or directory"),
     (["nosuchcommand"], "invalid choice"),
     (["plan", "--validate", "--gpus", "8"], "--gpus does not apply to --validate"),
+    (["run", "--chapters", "00", "-p", "work_ms=-5"], "chapter 00: work_ms=-5 must be"),  # the chapter's own check,
+    (["run", "--chapters", "09", "-p", "world_size=3"], "chapter 09 needs an even world_size"),  # before a kernel
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle, capsys):
     with pytest.raises(SystemExit) as info:

@@ -330,3 +330,22 @@ def test_exercise_never_prints_the_answer_not_attempted_or_wrong(name, capsys, m
     ns = dict(setup)
     exec(_with_answers(exercise, right), ns)
     assert "correct" in capsys.readouterr().out.lower()
+
+
+def test_every_chapter_check_runs_before_a_kernel(monkeypatch, tmp_path):
+    """``labkit run -p ...`` runs each chapter's own check_chapter first (refused_chapters): every chapter's
+    check cell has the shape it reads, a refused chapter is listed ``refused`` and not run, the others run."""
+    import importlib
+
+    called = {}
+    for path in CHAPTERS:
+        mod = importlib.import_module(f"labkit.chapters.ch{path.stem}")
+        monkeypatch.setattr(mod, "check_chapter", lambda _n=path.name[:2], **kw: called.setdefault(_n, kw))
+    assert notebooks.refused_chapters(CHAPTERS, {}) == {}
+    assert sorted(called) == [p.name[:2] for p in CHAPTERS]  # none left to its first cell
+    monkeypatch.undo()
+    refused = notebooks.refused_chapters(notebooks.discover(["00", "09"]), {"world_size": 3})
+    assert list(refused.values()) == [
+        "chapter 09 needs an even world_size (tp or pp = 2, dp = world_size / 2), got world_size=3; use 2 or 4"]
+    df = notebooks.run_chapters(["09"], out=tmp_path, parameters={"world_size": 3}, refused=refused, progress=False)
+    assert df[["status", "error"]].values.tolist() == [["refused", list(refused.values())[0]]]

@@ -24,7 +24,7 @@ def run(args) -> int:
     import pandas as pd
 
     from labkit.checks import positive_float
-    from labkit.notebooks import check_parameters, discover, parse_parameters, run_chapters
+    from labkit.notebooks import check_parameters, discover, parse_parameters, refused_chapters, run_chapters
 
     chapters = None
     if args.chapters is not None:
@@ -50,15 +50,23 @@ def run(args) -> int:
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file, not a folder: name a folder for the executed notebooks")
     timeout = positive_float("--cell-timeout", args.cell_timeout)
+    refused = {}
     if params:  # a parameter no chosen chapter declares is a typo: refused before anything runs
-        check_parameters(discover(chapters), params)
+        paths = discover(chapters)
+        check_parameters(paths, params)
+        refused = refused_chapters(paths, params)  # each chapter's own check of the values, before any kernel
+        if len(refused) == len(paths):  # refused by every chapter chosen: bad input, not a run
+            raise ValueError("; ".join(refused.values()))
     df = run_chapters(chapters, out=args.out, parameters=params, cell_timeout_s=timeout, kernel_name=args.kernel,
-                      progress=sys.stderr.isatty())
+                      progress=sys.stderr.isatty(), refused=refused)
     table = df[["notebook", "status", "seconds", "error"]].copy()
     table["error"] = table["error"].map(lambda e: (e.splitlines() or [""])[0])  # whole errors: summary.csv
     with pd.option_context("display.max_colwidth", 100, "display.width", 200):
         print(table.to_string(index=False))
-    out = df["output"].iloc[0].rsplit("/", 1)[0] if len(df) else args.out
-    n_bad = int((df["status"] != "ok").sum())
-    print(f"\n{len(df) - n_bad}/{len(df)} chapters ok, {df['seconds'].sum():.0f} s in all; executed notebooks in {out}")
+    ran = df[df["status"] != "refused"]
+    out = ran["output"].iloc[0].rsplit("/", 1)[0] if len(ran) else args.out
+    n_bad = int((ran["status"] != "ok").sum())
+    skipped = f" ({len(df) - len(ran)} refused these parameters: not run)" if len(ran) < len(df) else ""
+    print(f"\n{len(ran) - n_bad}/{len(ran)} chapters ok{skipped}, {df['seconds'].sum():.0f} s in all; "
+          f"executed notebooks in {out}")
     return 1 if n_bad else 0
