@@ -40,7 +40,7 @@ def _group(name: str, value, defaults: dict) -> dict:
 
 
 def check_chapter(*, world_size, emulate="dgx-h100", my_prediction=None, model=None, concurrency=None,
-                  rate_factors=(0.5, 1.0, 3.0), n_requests=24, workload=None, policy=None, swap=None,
+                  rate_factors=(0.5, 1.0, 3.0), n_requests=None, workload=None, policy=None, swap=None,
                   quality_train_steps=20, gpu_case=None, backend="auto") -> dict:
     """Chapter 12's parameters as the notebook groups them (``workload``: :data:`WORKLOAD`'s keys, ``policy``:
     :data:`POLICY`'s, ``swap``: :data:`SWAP`'s, ``gpu_case``: :data:`GPU_CASE`'s, each a dict of overrides),

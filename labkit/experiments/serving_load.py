@@ -37,7 +37,7 @@ WEIGHT_DTYPES = ("fp32", "int8", "int4")
 # the plan: everything checked before a launch
 # ------------------------------------------------------------------------------------------------------
 def make_load_plan(world_size: int, *, model: str | None = None, concurrency: int | None = None,
-                   modes=MODES, rates=None, rate_factors=(0.5, 1.0, 3.0), n_requests: int = 24,
+                   modes=MODES, rates=None, rate_factors=(0.5, 1.0, 3.0), n_requests: int | None = None,
                    arrival: str = "poisson", trace: str | None = None, burst_size: int = 4,
                    short_prompt=(8, 24), long_prompt=(64, 96), long_fraction: float = 0.25, output_len=(4, 12),
                    max_tokens: int | None = None, policies: bool = True, policy_model: str = "lab-small-llama",
@@ -49,7 +49,10 @@ def make_load_plan(world_size: int, *, model: str | None = None, concurrency: in
     """Validate the arguments of :func:`run_load` and build the plan :func:`load_rank` executes.
 
     * the sweep: ``concurrency`` requests in flight in total (default 4 x world_size; a multiple of
-      world_size: each replica takes its share, TP all of it); ``rates`` (requests/s) or ``rate_factors``
+      world_size: each replica takes its share, TP all of it); ``n_requests`` per run (default 3 x
+      concurrency: TP's one instance holds all of it, and a run past the knee must hold several batches'
+      worth to saturate, not only ramp up and drain: TP on 4 ranks, concurrency 16, measured its knee at
+      0.32x the model with 24 requests a run, 0.68x with 48); ``rates`` (requests/s) or ``rate_factors``
       (multiples of each mode's knee forecast from step costs measured in this launch); ``arrival``
       "poisson", "burst" or "trace" (``trace``: a CSV / JSON-lines file,
       :func:`~labkit.experiments.serving_workloads.load_trace`, replayed at each rate); the lengths of
@@ -84,6 +87,7 @@ def make_load_plan(world_size: int, *, model: str | None = None, concurrency: in
     sweep = {"rates": _floats("rates", rates, "a request rate (requests/s)")} if rates is not None \
         else {"rate_factors": _floats("rate_factors", rate_factors, "a multiple of the predicted knee")}
     check_choice("arrival", arrival, wl.ARRIVALS)
+    n_requests = 3 * conc if n_requests is None else n_requests
     load = {"n_requests": positive_int("n_requests", n_requests), "arrival": arrival, "burst_size": burst_size,
             "short_prompt": short_prompt, "long_prompt": long_prompt, "long_fraction": long_fraction,
             "output_len": output_len, "max_tokens": max_tokens}
