@@ -134,3 +134,27 @@ def test_a_template_forked_in_place_serves_launches(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1] == "[3.0, 3.0] True True"
     assert not log.exists() or not log.read_text().strip(), log.read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_labkit_run_ends_the_template_its_kernels_and_their_ranks(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "labkit", "run", "--chapters", "06", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline, seen = time.monotonic() + 180, []
+    while time.monotonic() < deadline and proc.poll() is None:  # until the forked kernel has launched ranks
+        seen = psutil.Process(proc.pid).children(recursive=True)
+        if any(p.name().startswith("labkit-rank") for p in seen if p.is_running()):
+            break
+        time.sleep(0.5)
+    names = {p.name() for p in seen}
+    assert {"labkit-kernels", "labkit-template"} <= names, names
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == 130 and "interrupted" in out, out[-2000:]
+    time.sleep(3)
+    left = [(p.pid, p.name()) for p in seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left

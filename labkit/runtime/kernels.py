@@ -86,6 +86,7 @@ def become_kernel(req: dict, fds: list[int]) -> None:
         from labkit.runtime.safepath import shipped_sys_path
 
         os.setsid()  # as jupyter starts a kernel: its own session, so an interrupt reaches its group only
+        sv.set_process_name(os.path.basename(sys.executable))  # in ps, as a started kernel: not the template's
         sv.prctl(sv.PR_SET_PDEATHSIG, signal.SIGTERM)  # the template ends only after labkit run has
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in (signal.SIGCHLD, signal.SIGTERM):
