@@ -119,14 +119,12 @@ def become_kernel(req: dict, fds: list[int]) -> None:
             os._exit(code)
 
 
-class ForkedKernel:
-    """The part of ``subprocess.Popen`` jupyter_client's provisioner uses, for a kernel the template forked
-    (its child, not ours: reaped there, so running means "exists and is not a zombie")."""
-
-    stdin = stdout = stderr = None
+class ForkedKernel(zygote.ProcessView):
+    """A kernel the template forked, as jupyter_client's provisioner sees it (the template's child, not ours:
+    reaped there, so running means "exists and is not a zombie")."""
 
     def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
+        super().__init__(pid)
         self._signal = 0
 
     def poll(self) -> int | None:
@@ -136,27 +134,10 @@ class ForkedKernel:
             self.returncode = -self._signal  # its status went to the template; a signal we sent, else 0
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"kernel {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
     def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            self._signal = signum if signum in (signal.SIGKILL, signal.SIGTERM) else self._signal
-            os.kill(self.pid, signum)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        if signum in (signal.SIGKILL, signal.SIGTERM) and self.poll() is None:
+            self._signal = signum
+        super().send_signal(signum)
 
 
 def _is_own_ipykernel(cmd: list[str]) -> bool:

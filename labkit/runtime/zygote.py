@@ -162,12 +162,43 @@ class Zygote:
             self.proc.wait()
 
 
-class _Child:
-    """The part of ``subprocess.Popen`` that :class:`Zygote` uses, for a template forked by
-    :meth:`Zygote.fork_here` (a child of this process, not started from a command)."""
+class ProcessView:
+    """The part of ``subprocess.Popen`` that :class:`Zygote` and jupyter_client use, for a process this one
+    did not start from a command (a subclass says how to :meth:`poll` it)."""
+
+    stdin = stdout = stderr = None
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"process {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Child(ProcessView):
+    """A template forked by :meth:`Zygote.fork_here`: a child of this process, reaped here."""
 
     def __init__(self, pid: int, stdin):
-        self.pid, self.stdin, self.returncode = pid, stdin, None
+        super().__init__(pid)
+        self.stdin = stdin
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -178,18 +209,6 @@ class _Child:
             if done:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"rank template {self.pid}", timeout)
-            time.sleep(0.01)
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
 
 
 #: environment variables read when torch and its libraries load (a template made under other values is not
