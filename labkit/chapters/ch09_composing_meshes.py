@@ -112,13 +112,16 @@ def memory_figure(memory, ranks):
     mem_long = memory.melt(id_vars=["run", "rank", "stage", "category"],
                            value_vars=["measured_bytes", "predicted_bytes"], var_name="source", value_name="bytes")
     mem_long = mem_long[mem_long["rank"].isin(list(ranks))]
-    mem_long["where"] = mem_long["run"] + ", rank " + mem_long["rank"].astype(str)
+    mem_long["where"] = mem_long["run"] + "<br>rank " + mem_long["rank"].astype(str)  # two lines: panels are narrow
     names = {"measured_bytes": "measured", "predicted_bytes": "predicted (labkit.theory.memory)"}
     mem_long["source"] = mem_long["source"].map(names)
     fig = px.bar(mem_long, x="category", y="bytes", color="source", barmode="group", facet_col="where",
-                 facet_col_wrap=3, height=520, color_discrete_map={n: label_color(n) for n in names.values()},
+                 facet_col_wrap=3, facet_col_spacing=0.09, facet_row_spacing=0.2, height=560,
+                 color_discrete_map={n: label_color(n) for n in names.values()},
                  title="Model states per rank (measured: live tensors)")
     fig.update_yaxes(matches=None, showticklabels=True)
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))  # "where=dp_tp ..." -> "dp_tp ..."
+    fig.update_layout(legend={"orientation": "h", "y": -0.22, "title": None}, margin={"t": 90})
     return fig
 
 
