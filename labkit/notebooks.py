@@ -113,11 +113,12 @@ def refused_chapters(paths: list[Path], parameters: dict) -> dict[Path, str]:
     applied as papermill applies them. Returns ``{path: "chapter NN: <its ValueError>"}`` for the chapters
     that refuse (``world_size=3`` where a strategy needs an even one). A chapter whose check is not such a
     call (or needs a value computed in the notebook) is left to its first cell."""
-    refused: dict[Path, str] = {}
     import ast
     import importlib
 
     import nbformat
+
+    refused: dict[Path, str] = {}
 
     for path in paths:
         cells = nbformat.read(str(path), as_version=4).cells
@@ -341,12 +342,13 @@ def run_chapters(chapters: list[str] | None = None, out: str | Path | None = Non
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     bar = tqdm(paths, desc="chapters", unit="nb", disable=not progress, file=sys.stderr)
-    todo = [p for p in paths if p not in (refused or {})]
+    refused = refused or {}
+    todo = [p for p in paths if p not in refused]
     # each chapter's kernel is forked from one that imported torch & co once (none to start for no chapter)
     with kernel_template() if todo else contextlib.nullcontext() as manager:
         for p in bar:
             bar.set_postfix_str(p.name)
-            if p in (refused or {}):
+            if p in refused:
                 rows.append({"notebook": p.name, "status": "refused", "seconds": 0.0, "parameters": {},
                              "error": refused[p], "output": ""})
                 continue

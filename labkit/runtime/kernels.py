@@ -58,16 +58,14 @@ def kernel_preload() -> tuple[str, ...]:
 def check_preloaded() -> None:
     """In the template, after the preload: raise RuntimeError if a module that must be imported under the
     kernel's shell (:data:`SHELL_SENSITIVE`) was imported."""
-    early = [m for m in SHELL_SENSITIVE if m in sys.modules]
-    if early:
-        raise RuntimeError(f"the kernel preload imported {', '.join(early)}, which must be imported by a kernel")
     import pandas as pd
     import plotly.express as px
 
     px.bar(pd.DataFrame({"x": [0], "y": [1]}), x="x", y="y")  # plotly loads its figure classes at first use
     early = [m for m in SHELL_SENSITIVE if m in sys.modules]
     if early:
-        raise RuntimeError(f"a first figure imported {', '.join(early)}, which must be imported by a kernel")
+        raise RuntimeError(f"the kernel preload (or its first figure) imported {', '.join(early)}, which must "
+                           "be imported by a kernel")
 
 
 def become_kernel(req: dict, fds: list[int]) -> None:
