@@ -56,6 +56,17 @@ def test_the_peak_sentence_explains_all_cores_below_one_thread():
                              "machine_basis": "2 cores x one core alone"})
     assert "slower* than one thread" in slow and "busy with other work" in slow
     assert "The cores scale" in good and "slower" not in good
+    steady = ch.peak_findings({"cores": 2, "flops_1_thread": 100e9, "flops_all_cores": 190e9, "flops_machine": 200e9,
+                               "machine_basis": "x", "tries_1_thread": [100e9, 97e9], "spread_1_thread": 100 / 97})
+    moved = ch.peak_findings({"cores": 2, "flops_1_thread": 140e9, "flops_all_cores": 190e9, "flops_machine": 280e9,
+                              "machine_basis": "x", "tries_1_thread": [140e9, 100e9], "spread_1_thread": 1.4})
+    assert "spread 1.03x" in steady and "a steady core" in steady and "noise" not in steady
+    assert "spread 1.40x" in moved and "about 40% of timing noise" in moved
+
+
+def test_the_mfu_limit_is_ten_percent_or_the_peaks_own_spread():
+    assert ch.mfu_limit({"spread_1_thread": 1.02}) == 1.10 and ch.mfu_limit({}) == 1.10
+    assert ch.mfu_limit({"spread_1_thread": 1.35}) == 1.35
 
 
 def test_parameters_adapt_to_world_size_or_are_refused():

@@ -185,6 +185,13 @@ def test_measured_peak_gives_an_mfu_denominator_no_rank_can_beat():
     # the denominator is the larger of the two bases, and says which it is
     assert peak["flops_machine"] == max(peak["flops_all_cores"], peak["cores"] * peak["flops_1_thread"])
     assert ("together" in peak["machine_basis"]) == (peak["flops_machine"] == peak["flops_all_cores"])
+    assert peak["tries_1_thread"] == [peak["flops_1_thread"]] and peak["spread_1_thread"] == 1.0
+    # measured again after a series: the best of both, every try kept, the spread over all of them
+    again = scaling.measure_peak(n=128, repeats=2, tries=2, previous=peak)
+    assert len(again["tries_1_thread"]) == 3 and again["tries_1_thread"][0] == peak["flops_1_thread"]
+    assert again["flops_1_thread"] == max(again["tries_1_thread"]) >= peak["flops_1_thread"]
+    assert again["flops_all_cores"] >= peak["flops_all_cores"]
+    assert again["spread_1_thread"] == max(again["tries_1_thread"]) / min(again["tries_1_thread"]) >= 1.0
     with pytest.raises(ValueError, match="tries=0"):
         scaling.measure_peak(tries=0)
 

@@ -106,7 +106,13 @@ def peak_findings(peak: dict) -> str:
                "cores slow down together (shared caches, power limits).")
     else:
         why = f"The cores scale: all together reach {ratio / cores:.0%} of cores x one thread."
-    return f"{head} {why} MFU denominator: {peak['flops_machine'] / 1e9:.1f} GFLOP/s = {peak['machine_basis']}."
+    spread = float(peak.get("spread_1_thread", 1.0))
+    tries = len(peak.get("tries_1_thread", ())) or 1
+    noise = (f" One thread's {tries} tries spread {spread:.2f}x (best / worst): "
+             + ("the core's speed moved while it was measured (other work, frequency changes), so an MFU carries "
+                f"about {spread - 1:.0%} of timing noise." if spread > 1.10 else "a steady core.")) if tries > 1 else ""
+    return (f"{head} {why} MFU denominator: {peak['flops_machine'] / 1e9:.1f} GFLOP/s = {peak['machine_basis']}."
+            f"{noise}")
 
 
 def scaling_findings(series: pd.DataFrame, label: str = "measured") -> str:
@@ -320,12 +326,22 @@ def run_emulated(emulated: dict | None, *, weak_per_rank: int, timeout_s: float 
     return em, predict_emulated(em)
 
 
+def mfu_limit(peak: dict) -> float:
+    """The highest MFU a correct run can show against ``peak`` (:func:`labkit.experiments.scaling.measure_peak`):
+    1 + the timing noise, which is 10 % or, where larger, how far the core's own peak moved between tries
+    (``spread_1_thread``, best / worst: a shared or throttling machine runs some steps faster than some peak
+    tries)."""
+    return max(1.10, float(peak.get("spread_1_thread", 1.0)))
+
+
 def check_series(series: pd.DataFrame, pred: pd.DataFrame, *, world_sizes, strong_total: int, weak_per_rank: int,
                  peak: dict) -> str:
     """The chapter's checks on the measured series (AssertionError naming what is wrong): the baseline is the
     smallest world size with speedup and efficiency 1, min <= median <= max, the work per rank and in total as
     asked, the FLOPs torch counted in the real step within 2 % under the formula's 6N term, every matmul's FLOPs
-    counted, and no MFU above 1 (+10 % timing noise). Returns the line to print."""
+    counted, and no MFU above 1 + timing noise (10 %, or the spread of the measured peak's tries where that is
+    larger: ``peak["spread_1_thread"]``, :func:`labkit.experiments.scaling.measure_peak`). Returns the line to
+    print."""
     for (_exp, mode), g in series.groupby(["experiment", "mode"]):
         g = g.set_index("world_size")
         n0 = int(g["baseline_world_size"].iloc[0])
@@ -347,10 +363,13 @@ def check_series(series: pd.DataFrame, pred: pd.DataFrame, *, world_sizes, stron
         assert 0.98 <= counted[-1] <= 1.0, (key, t["flops_counted_matmul"], p.loc[key, "flops_dense"])
         assert mm.loc[key, "flops_counted"] == mm.loc[key, "flops"]  # 2 size^3 per product, counted
     assert ((series["mfu"] > 0) & (series["mfu_denominator_flops"] == peak["flops_machine"])).all()
-    assert (series["mfu"] <= 1.1).all(), (
-        "MFU above 1.1: the one-core peak was measured while something else used the cores (re-run on an idle "
-        f"machine), or a FLOP count is wrong:\n{series.loc[series['mfu'] > 1.1, ['experiment', 'mode', 'mfu']]}")
-    return f"FLOPs counted by torch / the formula's 6N term: {min(counted):.4f}..{max(counted):.4f}; all checks passed"
+    limit = mfu_limit(peak)
+    assert (series["mfu"] <= limit).all(), (
+        f"MFU above {limit:.2f} (1 + the timing noise, the larger of 10 % and the peak's own spread between tries): "
+        "the one-core peak was measured while something else used the cores (re-run on an idle machine), or a "
+        f"FLOP count is wrong:\n{series.loc[series['mfu'] > limit, ['experiment', 'mode', 'mfu']]}")
+    return (f"FLOPs counted by torch / the formula's 6N term: {min(counted):.4f}..{max(counted):.4f}; highest MFU "
+            f"{series['mfu'].max():.2f} (limit {limit:.2f}); all checks passed")
 
 
 def check_emulated(emulated: pd.DataFrame | None, predicted: pd.DataFrame | None) -> None:

@@ -321,7 +321,7 @@ def efficiency(df: pd.DataFrame, baseline_world_size: int | None = None) -> pd.D
     return pd.concat(out, ignore_index=True)
 
 
-def measure_peak(n: int = 768, repeats: int = 10, tries: int = 3) -> dict:
+def measure_peak(n: int = 768, repeats: int = 10, tries: int = 3, *, previous: dict | None = None) -> dict:
     """The machine's measured dense float32 matmul peak (:func:`labkit.models.measure_matmul_peak`: best of
     ``repeats``; here also best of ``tries`` such calls, since a peak is what the machine can do when nothing
     else runs), in this process. Returns (FLOP/s, *measured* unless said otherwise):
@@ -330,9 +330,15 @@ def measure_peak(n: int = 768, repeats: int = 10, tries: int = 3) -> dict:
       threads; lower than ``cores`` x one core when something else runs, or when cores slow down together);
     * ``flops_machine`` — the MFU denominator: the larger of ``flops_all_cores`` and ``cores x flops_1_thread``
       (*derived*: no rank of a series can beat its core's peak, so an MFU against this stays <= 1 up to
-      timing noise, whatever else ran while the all-cores peak was measured); ``machine_basis`` says which.
+      timing noise, whatever else ran while the all-cores peak was measured); ``machine_basis`` says which;
+    * ``tries_1_thread`` — every try's one-thread peak (FLOP/s), and ``spread_1_thread`` = best / worst try
+      (1.0 on a steady machine): how much the core's own speed moved while it was measured, the size of the
+      timing noise an MFU against this peak carries (a shared or throttled machine shows 1.2-1.5).
 
-    Restores the thread count afterwards."""
+    ``previous``: a dict this function returned earlier (e.g. before a long series); the result is the best of
+    both measurements and keeps every try, so a peak measured before *and* after a series is not undercut by a
+    machine that ran faster in between. Restores the thread count afterwards. Raises ValueError for
+    ``n``, ``repeats`` or ``tries`` below 1."""
     import torch
 
     from labkit.models import measure_matmul_peak
@@ -344,17 +350,21 @@ def measure_peak(n: int = 768, repeats: int = 10, tries: int = 3) -> dict:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = max(measure_matmul_peak("cpu", n=n, repeats=repeats) for _ in range(tries))
+        ones = [measure_matmul_peak("cpu", n=n, repeats=repeats) for _ in range(tries)]
         torch.set_num_threads(cores)
         full = max(measure_matmul_peak("cpu", n=n, repeats=repeats) for _ in range(tries))
     finally:
         torch.set_num_threads(before)
+    if previous is not None:
+        ones = list(previous["tries_1_thread"]) + ones
+        full = max(full, previous["flops_all_cores"])
+    one = max(ones)
     if full >= cores * one:
         machine, basis = full, f"all {cores} cores together (measured)"
     else:
         machine, basis = cores * one, f"{cores} cores x one core alone (measured 1-thread peak x {cores})"
     return {"cores": cores, "flops_1_thread": one, "flops_all_cores": full, "flops_machine": machine,
-            "machine_basis": basis}
+            "machine_basis": basis, "tries_1_thread": ones, "spread_1_thread": one / min(ones)}
 
 
 def with_mfu(df: pd.DataFrame, peak_flops: float, label: str = "machine peak (measured)") -> pd.DataFrame:
