@@ -17,9 +17,9 @@ def test_check_chapter_adapts_the_batch_and_checks_the_emulated_parameters():
         ch.check_chapter(world_size=2, emulate="dgx-h100", emulated_ranks=32)
     with pytest.raises(ValueError, match="valid keys: zero3_step_ratio, zero3_memory_gb"):
         ch.check_chapter(world_size=2, my_prediction={"memory": 3})
-    with pytest.raises(ValueError, match="must be a finite number"):
+    with pytest.raises(ValueError, match=r"my_prediction=nan must be None or a finite number"):
         ch.check_chapter(world_size=2, my_prediction=float("nan"))
-    assert ch.check_prediction(1.2) == {"zero3_step_ratio": 1.2}
+    ch.check_chapter(world_size=2, my_prediction={"zero3_memory_gb": 20})
 
 
 def test_measured_step_findings_follow_the_measured_direction():

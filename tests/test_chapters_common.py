@@ -37,11 +37,35 @@ def test_check_world_size_names_the_chapter():
         check_world_size("03", 1, why="why")
 
 
-def test_number_prediction_refuses_bools_strings_and_infinities_naming_what_is_wanted():
-    from labkit.chapters.common import check_number_prediction
+def test_prediction_refuses_bools_strings_and_infinities_naming_what_is_wanted():
+    from labkit.chapters.common import check_prediction
 
-    check_number_prediction(None, what="a number")
-    check_number_prediction(0.8, what="a number")
-    for bad in (True, "abc", float("inf"), [1]):
-        with pytest.raises(ValueError, match=r"must be None or a fraction"):
-            check_number_prediction(bad, what="a fraction")
+    assert check_prediction(None, what="a number") is None
+    assert check_prediction(0.8, what="a number") == 0.8 and check_prediction(3, what="a number") == 3.0
+    for bad in (True, "abc", "0.5", float("inf"), float("nan"), [1], {"a": 1}):
+        with pytest.raises(ValueError, match=r"my_prediction=.* must be None or a fraction"):
+            check_prediction(bad, what="a fraction")
+
+
+def test_prediction_bounds_keys_and_choices():
+    from labkit.chapters.common import check_prediction
+
+    frac = dict(what="a fraction in [0, 1]", at_least=0.0, at_most=1.0)
+    assert check_prediction(0.0, **frac) == 0.0 and check_prediction(1, **frac) == 1.0
+    for bad in (-0.01, 1.01):
+        with pytest.raises(ValueError, match=rf"my_prediction={bad} must be None or a fraction in \[0, 1\]"):
+            check_prediction(bad, **frac)
+    with pytest.raises(ValueError, match="my_prediction=0 must be None or a positive"):
+        check_prediction(0, what="a positive number", above=0.0)
+    keyed = dict(what="a ratio or a dict of them", keys=("a", "b"), default_key="a")
+    assert check_prediction(1.5, **keyed) == {"a": 1.5}
+    assert check_prediction({"b": 2}, **keyed) == {"b": 2.0}
+    with pytest.raises(ValueError, match="key 'c' is not one this chapter measures; valid keys: a, b"):
+        check_prediction({"c": 1}, **keyed)
+    with pytest.raises(ValueError, match=r"my_prediction\['b'\]='x' must be None or a ratio"):
+        check_prediction({"b": "x"}, **keyed)
+    assert check_prediction({"anything": 1}, what="x", keys=()) == {"anything": 1.0}
+    assert check_prediction(2, what="x", keys=()) == 2.0  # no default key: a number stays a number
+    assert check_prediction("tp", what="'replicas' or 'tp'", choices=("replicas", "tp")) == "tp"
+    with pytest.raises(ValueError, match="my_prediction='both' must be None or 'replicas' or 'tp'"):
+        check_prediction("both", what="'replicas' or 'tp'", choices=("replicas", "tp"))

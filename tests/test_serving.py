@@ -511,7 +511,7 @@ def test_chapter_12_refuses_before_launch(monkeypatch):
     assert got["model"] == "lab-tiny-llama" and got["gpu"] == "h100-80gb"
     assert ch12.check_chapter(**{**params, "emulate": None})["gpu"] is None
     for bad, match in ((dict(world_size=1), r"chapter 12 needs world_size >= 2"),
-                       (dict(my_prediction="both"), r"my_prediction='both': give a positive number"),
+                       (dict(my_prediction="both"), r"my_prediction='both' must be None or a positive number"),
                        (dict(rate_factors=(1.0, float("nan"))), r"rate_factors\[1\]"),
                        (dict(policy={"token_budget": 0}), r"token_budget"),
                        (dict(swap={"to": "lab-small-llama"}), r"vocab_size"),

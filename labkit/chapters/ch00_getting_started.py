@@ -7,30 +7,14 @@ The rank functions it launches are :func:`labkit.experiments.basics.hello` and
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
-from labkit.chapters.common import as_emulate, check_steps, check_world_size
+from labkit.chapters.common import as_emulate, check_prediction, check_steps, check_world_size
 from labkit.checks import positive_float
 
 #: the collective's own cost (time inside all_reduce beyond the predicted wait) counts as "small" below this
 #: share of the straggler's predicted wait: the free-communication prediction then explains the wait
 SMALL_GAP_SHARE = 0.1
-
-
-def check_prediction(my_prediction) -> None:
-    """``my_prediction`` must be None, a finite number, or a dict of finite numbers (ValueError otherwise)."""
-    values = my_prediction.values() if isinstance(my_prediction, dict) else [my_prediction]
-    for v in values:
-        if v is None and not isinstance(my_prediction, dict):
-            continue
-        try:
-            ok = math.isfinite(float(v))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"my_prediction={my_prediction!r} must be None, a number or a dict of numbers")
 
 
 def check_emulate(emulate, world_size: int) -> None:
@@ -51,7 +35,8 @@ def check_chapter(*, world_size: int, emulate, my_prediction, work_ms: float, st
     unequal work), steps >= 1, timeout_s > 0."""
     world_size = check_world_size("00", world_size, why="a collective needs a peer, and section 4 makes rank 1 fail")
     check_emulate(emulate, world_size)
-    check_prediction(my_prediction)
+    check_prediction(my_prediction, what="a number of milliseconds (rank 0's wait inside all_reduce in section 3, "
+                                    "e.g. 40)")
     positive_float("work_ms", work_ms)
     check_steps("steps", steps)
     positive_float("timeout_s", timeout_s)

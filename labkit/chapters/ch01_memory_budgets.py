@@ -63,10 +63,12 @@ def check_chapter(*, world_size, emulate, my_prediction, model: str, micro_batch
     ``world_size`` ranks)."""
     world_size = check_world_size("01", world_size,
                                   why="DDP replicates and FSDP2 shards over the ranks: one rank shards nothing")
-    from labkit.chapters.ch00_getting_started import check_emulate, check_prediction
+    from labkit.chapters.ch00_getting_started import check_emulate
+    from labkit.chapters.common import check_prediction
 
     check_emulate(emulate, None)
-    check_prediction(my_prediction)
+    check_prediction(my_prediction, what="a number (how many times fewer model-state bytes FSDP2 leaves on rank 0 "
+                                    "than DDP, e.g. 2)")
     device = device_for(emulate, device)
     for name, check, value in (("big_model", get_spec, big_model), ("device", mem.get_device, device)):
         try:

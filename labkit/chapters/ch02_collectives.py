@@ -77,9 +77,11 @@ def check_chapter(*, world_size: int, ops, min_size, max_size, factor: int, repe
     check_size("reduce_scatter", out["repartition_size"], world_size)
     check_size("all_to_all", out["repartition_size"] // world_size, world_size)
     resolve_backend(backend, world_size)
-    from labkit.chapters.ch00_getting_started import check_emulate, check_prediction
+    from labkit.chapters.ch00_getting_started import check_emulate
+    from labkit.chapters.common import check_prediction
 
-    check_prediction(my_prediction)
+    check_prediction(my_prediction, what="a number of GB/s (busbw of a 1 GiB all-reduce on emulated_world_size "
+                                    "GPUs, e.g. 400)")
     if as_emulate(emulate) is not None:
         check_emulate(emulate, check_world_size("02", emulated_world_size, why="emulated_world_size: a collective "
                                                 "needs a peer"))

@@ -7,7 +7,13 @@ The strategies are in :mod:`labkit.parallel.data`, their formulas in :mod:`labki
 
 from __future__ import annotations
 
-from labkit.chapters.common import charged_emulation_plan, check_fits_in_memory, check_steps, check_world_size
+from labkit.chapters.common import (
+    charged_emulation_plan,
+    check_fits_in_memory,
+    check_prediction,
+    check_steps,
+    check_world_size,
+)
 from labkit.checks import positive_int
 from labkit.experiments.data import accumulation_demo_rank, run_rank, scaling_rank
 from labkit.parallel.data import DEFAULT_BUCKET_CAP_BYTES
@@ -54,7 +60,8 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, model: str = 
                          "size, e.g. (1, 2, 4, 8)")
     check_steps("scaling_steps", scaling_steps)
     check_fits_in_memory(spec, n, copies=2, what="chapter 03")
-    check_prediction(my_prediction)
+    check_prediction(my_prediction, what="a number: your guess of the emulated naive efficiency T(1) / (n T(n)) "
+                                    "at n = emulated_ranks, e.g. 0.6")
     plan = emulation_plan(emulate, emulated_ranks, charge_as, charged_seq_len, model) if emulate else None
     return {"world_size": n, "model": spec.name, "global_batch_size": global_batch_size, "n_microbatches": m,
             "local_batch_size": local, "steps": steps, "seq_len": seq_len, "scaling_batch_sizes": sizes,
@@ -122,22 +129,6 @@ SOCKET_OVERHEAD_MAX = 1.15
 LAB_SEQ_LEN = 32
 #: below this efficiency (T(1) / (n T(n))) an added GPU buys less than half a GPU of speed-up
 PAYING_EFFICIENCY = 0.5
-
-
-def check_prediction(my_prediction):
-    """``my_prediction`` is None or a finite number (an efficiency, 0..1 expected); ValueError otherwise."""
-    import math
-
-    if my_prediction is None:
-        return None
-    try:
-        x = float(my_prediction)
-    except (TypeError, ValueError):
-        raise ValueError(f"my_prediction={my_prediction!r} must be None or a number: your guess of the emulated "
-                         "naive efficiency T(1) / (n T(n)) at n = emulated_ranks, e.g. 0.6") from None
-    if not math.isfinite(x):
-        raise ValueError(f"my_prediction={my_prediction!r} must be a finite number, e.g. 0.6")
-    return x
 
 
 def scaling_sizes(emulated_ranks: int) -> tuple:

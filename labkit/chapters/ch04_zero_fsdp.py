@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from labkit.chapters.common import charged_emulation_plan, check_fits_in_memory, check_steps, check_world_size
+from labkit.chapters.common import (
+    charged_emulation_plan,
+    check_fits_in_memory,
+    check_prediction,
+    check_steps,
+    check_world_size,
+)
 from labkit.checks import check_choice
 from labkit.experiments.common import _runs
 from labkit.experiments.zero import memory_rank, run_rank
@@ -44,7 +50,9 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, model: str = 
     local = check_batch(n, global_batch_size, dp_name="world_size")
     seq_len = spec.check_seq_len(seq_len)
     check_fits_in_memory(spec, n, copies=2, what="chapter 04")
-    check_prediction(my_prediction)
+    check_prediction(my_prediction, what="a finite number, e.g. 1.3 (ZeRO-3's emulated step / DDP's) or 20 (GB), or "
+                     "a dict of them keyed zero3_step_ratio, zero3_memory_gb", keys=PREDICTION_KEYS,
+                     default_key="zero3_step_ratio")
     plan = emulation_plan(emulate, emulated_ranks, charge_as, charged_seq_len, model) if emulate else None
     return {"world_size": n, "model": spec.name, "global_batch_size": global_batch_size, "local_batch_size": local,
             "steps": steps, "seq_len": seq_len, "emulate": plan, "emulated_ranks": emulated_ranks}
@@ -132,27 +140,6 @@ PREDICTION_KEYS = ("zero3_step_ratio", "zero3_memory_gb")
 LAB_SEQ_LEN = 32
 #: the variants of the emulated launch (FSDP2 is stage 3 like zero3; one stage-3 run keeps the launch short)
 EMULATED_VARIANTS = ("ddp", "zero1", "zero2", "zero3")
-
-
-def check_prediction(my_prediction):
-    """``my_prediction`` None, a finite number, or a dict of finite numbers keyed by :data:`PREDICTION_KEYS`;
-    raises ValueError naming the value otherwise."""
-    import math
-
-    if my_prediction is None:
-        return None
-    guesses = my_prediction if isinstance(my_prediction, dict) else {"zero3_step_ratio": my_prediction}
-    for k, v in guesses.items():
-        if k not in PREDICTION_KEYS:
-            raise ValueError(f"my_prediction key {k!r} is not one this chapter measures; valid keys: "
-                             f"{', '.join(PREDICTION_KEYS)}")
-        try:
-            ok = math.isfinite(float(v))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"my_prediction[{k!r}]={v!r} must be a finite number, e.g. 1.3 (a ratio) or 20 (GB)")
-    return guesses
 
 
 def emulation_plan(emulate, emulated_ranks=8, charge_as="llama-3-8b", charged_seq_len=2048,

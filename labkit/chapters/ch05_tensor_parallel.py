@@ -9,7 +9,7 @@ The strategy is :mod:`labkit.parallel.tensor`, its formulas :mod:`labkit.theory.
 
 from __future__ import annotations
 
-from labkit.chapters.common import as_emulate, check_fits_in_memory, check_steps, check_world_size
+from labkit.chapters.common import as_emulate, check_fits_in_memory, check_prediction, check_steps, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.experiments.tensor import (
     COMM_RUNS,
@@ -73,8 +73,7 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, emulate_tp=No
     except ValueError as e:
         raise ValueError(f"world_size={n} is the tp degree in chapter 05: {e}") from None
     check_fits_in_memory(spec, n, copies=4, what="chapter 05")
-    if my_prediction is not None and not isinstance(my_prediction, (int, float)):
-        raise ValueError(f"my_prediction={my_prediction!r} must be None or a number (a ratio of step times)")
+    check_prediction(my_prediction, what="a number (step time across nodes / inside one node, e.g. 1.5)")
     emulate = as_emulate(emulate)
     etp = None
     if emulate is not None:

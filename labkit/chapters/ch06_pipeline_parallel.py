@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from labkit.chapters.common import as_emulate, check_fits_in_memory, check_steps, check_world_size
+from labkit.chapters.common import as_emulate, check_fits_in_memory, check_prediction, check_steps, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.runtime import timeline as tl
 from labkit.theory import simulate as sim
@@ -51,6 +51,10 @@ def chapter_microbatches(pp: int, global_batch_size: int) -> list[int]:
     return [d for d in range(1, gbs + 1) if gbs % d == 0 and _microbatch_problem(pp, d, gbs) is None]
 
 
+#: the keys a dict ``my_prediction`` may have: the schedules of the fixed-compute run at ``m``, and the unequal split
+PREDICTION_KEYS = ("gpipe", "1f1b", "interleaved", "zb-h1", "unequal")
+
+
 def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatches=None, op_ms=20.0, sweep=(1, 2),
                   steps=2, spec_name: str = "lab-tiny-llama", vocab_size=8192, global_batch_size=None, seq_len=32,
                   bubble_tol=0.05, timeout_s=180.0) -> dict:
@@ -81,10 +85,9 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatche
             resolve(emulate, p)
         except ValueError as e:
             raise ValueError(f"emulate={emulate!r} with world_size={p}: {e}; or emulate=None (measured only)") from None
-    guesses = my_prediction.values() if isinstance(my_prediction, dict) else [my_prediction]
-    if any(g is not None and not isinstance(g, (int, float)) for g in guesses):
-        raise ValueError(f"my_prediction={my_prediction!r} must be None, a number (the bubble, fraction of total "
-                         "time) or a dict of numbers")
+    check_prediction(my_prediction, what="a number (1F1B's bubble with the last stage twice as slow, a fraction of "
+                     "total time, e.g. 0.3) or a dict of them keyed " + ", ".join(PREDICTION_KEYS),
+                     keys=PREDICTION_KEYS)
     m = positive_int("n_microbatches", n_microbatches) if n_microbatches is not None else _min_chapter_microbatches(p)
     gbs = positive_int("global_batch_size", global_batch_size) if global_batch_size is not None else m
     problem = _microbatch_problem(p, m, gbs)

@@ -8,7 +8,7 @@ functions it launches :func:`labkit.experiments.context.cp_parity_rank` and
 
 from __future__ import annotations
 
-from labkit.chapters.common import check_world_size
+from labkit.chapters.common import check_prediction, check_world_size
 from labkit.checks import check_choice, positive_int
 from labkit.theory.context import METHODS, predicted_pair_blocks
 
@@ -56,10 +56,7 @@ def check_chapter(*, world_size: int, seq_len: int | None, n_heads: int | None, 
 
     world_size = check_world_size("07", world_size, why="context parallelism splits the sequence over ranks and "
                                   "exchanges keys and values between them")
-    if my_prediction is not None and (isinstance(my_prediction, bool)
-                                      or not isinstance(my_prediction, (int, float))):
-        raise ValueError(f"my_prediction={my_prediction!r} must be None or a number (your guess of the naive / "
-                         "zigzag step time ratio, e.g. 1.5)")
+    check_prediction(my_prediction, what="a number (your guess of the naive / zigzag step time ratio, e.g. 1.5)")
     sizes = chapter_sizes(world_size, emulate=emulate, emulate_world_size=emulate_world_size, seq_len=seq_len,
                           n_heads=n_heads)
     seq_len, n_heads, ecp = sizes["seq_len"], sizes["n_heads"], sizes["emulate_world_size"]

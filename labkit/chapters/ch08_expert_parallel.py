@@ -7,7 +7,7 @@ functions it launches :func:`labkit.experiments.expert.ep_parity_rank` and
 
 from __future__ import annotations
 
-from labkit.chapters.common import check_world_size
+from labkit.chapters.common import check_prediction, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.theory.expert import check_expert_parallel, moe_spec
 
@@ -59,10 +59,8 @@ def check_chapter(*, world_size: int, tokens_per_rank: int, hidden_size: int, ff
                          f"the dropped fraction falling as capacity grows); e.g. {sorted(set(cfs))}")
     moe_spec(spec)
     resolve_backend(backend, world_size)
-    if my_prediction is not None and (isinstance(my_prediction, bool) or not isinstance(my_prediction, (int, float))
-                                      or not 0 <= my_prediction <= 1):
-        raise ValueError(f"my_prediction={my_prediction!r} must be None or a fraction in [0, 1] (your guess of the "
-                         "dropped fraction at capacity_factor 1.0, e.g. 0.1)")
+    check_prediction(my_prediction, what="a fraction in [0, 1] (your guess of the dropped fraction at capacity_factor "
+                     "1.0, e.g. 0.1)", at_least=0.0, at_most=1.0)
     skews = [float(x) for x in router_skews]
     if not skews or skews[0] != 0 or any(b <= a for a, b in zip(skews, skews[1:])):
         raise ValueError(f"router_skews={list(router_skews)!r} must start at 0 (the untrained router) and increase, "

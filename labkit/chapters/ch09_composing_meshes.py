@@ -9,7 +9,7 @@ The runs it launches are :func:`labkit.experiments.composed.run_composed` (the c
 
 from __future__ import annotations
 
-from labkit.chapters.common import check_fits_in_memory, check_number_prediction, check_steps, check_world_size
+from labkit.chapters.common import check_fits_in_memory, check_prediction, check_steps, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.theory.composed import check_runs
 from labkit.theory.published import MFU_BAND, validate_published, validation_table
@@ -71,8 +71,8 @@ def _check_loop(world_size, emulate, my_prediction, loop_model, loop_seq_len, lo
     from labkit.experiments import mesh_loop
     from labkit.runtime.emulate import resolve
 
-    check_number_prediction(my_prediction, what="a number of seconds (your guess for one emulated step of the "
-                                                "deepest pipeline)")
+    check_prediction(my_prediction, what="a number of seconds (your guess for one emulated step of the deepest "
+                                    "pipeline)")
     tolerance = positive_float("tolerance", tolerance)
     if tolerance >= 1:
         raise ValueError(f"tolerance={tolerance} must be a fraction below 1, e.g. 0.05 (5 %)")

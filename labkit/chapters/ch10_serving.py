@@ -14,7 +14,7 @@ import math
 
 import pandas as pd
 
-from labkit.chapters.common import check_fits_in_memory, check_world_size
+from labkit.chapters.common import check_fits_in_memory, check_prediction, check_world_size
 from labkit.checks import positive_int
 from labkit.experiments.serving import default_model, make_plan
 from labkit.theory import memory as mem
@@ -45,9 +45,7 @@ def check_chapter(*, world_size: int, model: str | None, n_requests: int, prompt
     from labkit.runtime.launcher import resolve_backend
 
     world_size = check_world_size("10", world_size, why="replicas vs tensor parallelism on the same ranks")
-    if my_prediction is not None and (isinstance(my_prediction, bool) or not isinstance(my_prediction, (int, float))
-                                      or not my_prediction > 0):
-        raise ValueError(f"my_prediction={my_prediction!r}: give a number of sequences in flight (e.g. 256), or None")
+    check_prediction(my_prediction, what="a positive number of sequences in flight (e.g. 256)", above=0.0)
     if emulate not in (None, False, ""):  # "" and False (as `labkit run -p emulate=` gives) mean off, like None
         from labkit.runtime.emulate import resolve
 

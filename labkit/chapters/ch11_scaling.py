@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from labkit.chapters.common import check_fits_in_memory, check_number_prediction, check_world_size
+from labkit.chapters.common import check_fits_in_memory, check_prediction, check_world_size
 from labkit.checks import positive_int
 from labkit.theory.spec import get_spec
 
@@ -62,7 +62,7 @@ def check_chapter(*, world_size: int, model: str, seq_len: int, strong_total, we
     spec.check_seq_len(seq_len)
     check_fits_in_memory(spec, max(sizes), copies=1, what="chapter 11's training series")
     resolve_backend(backend, max(sizes))
-    check_number_prediction(my_prediction, what="a number (a fraction, e.g. 0.8)")
+    check_prediction(my_prediction, what="a number (a fraction, e.g. 0.8)")
     emulated = None
     if emulate is not None:
         if not isinstance(emulate, str):

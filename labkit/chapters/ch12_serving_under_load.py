@@ -14,7 +14,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from labkit.chapters.common import check_fits_in_memory, check_world_size
+from labkit.chapters.common import check_fits_in_memory, check_prediction, check_world_size
 from labkit.checks import positive_float, positive_int
 from labkit.experiments.serving_load import make_load_plan
 from labkit.theory import serving as st
@@ -51,10 +51,7 @@ def check_chapter(*, world_size, emulate="dgx-h100", my_prediction=None, model=N
     (None when emulate is None) and ``"gpu_case"``."""
     w, pol, sw = _group("workload", workload, WORKLOAD), _group("policy", policy, POLICY), _group("swap", swap, SWAP)
     g = _group("gpu_case", gpu_case, GPU_CASE)
-    if my_prediction is not None and (isinstance(my_prediction, bool) or not isinstance(my_prediction, (int, float))
-                                      or not my_prediction > 0):
-        raise ValueError(f"my_prediction={my_prediction!r}: give a positive number (replicas' knee / TP's knee, "
-                         "e.g. 2.0), or None")
+    check_prediction(my_prediction, what="a positive number (replicas' knee / TP's knee, e.g. 2.0)", above=0.0)
     gpu = None
     if emulate not in (None, False, ""):  # "" and False (as `labkit run -p emulate=` gives) mean off, like None
         from labkit.runtime.emulate import resolve
@@ -88,8 +85,7 @@ def check_flat(*, world_size, model, concurrency, rate_factors, n_requests, arri
 
     world_size = check_world_size("12", world_size, why="replicas vs tensor parallelism on the same ranks, and "
                                   "the two scheduling policies side by side")
-    if my_prediction not in (None, "replicas", "tp"):
-        raise ValueError(f"my_prediction={my_prediction!r}: answer 'replicas' or 'tp' (or leave None)")
+    check_prediction(my_prediction, what="'replicas' or 'tp'", choices=("replicas", "tp"))
     kwargs = {"model": model, "concurrency": concurrency, "rate_factors": tuple(rate_factors),
               "n_requests": n_requests, "arrival": arrival, "trace": trace, "short_prompt": short_prompt,
               "long_prompt": long_prompt, "long_fraction": long_fraction, "output_len": output_len,

@@ -118,19 +118,50 @@ def as_emulate(emulate):
     return None if off else emulate
 
 
-def check_number_prediction(my_prediction, *, what: str) -> None:
-    """``my_prediction`` must be None or one finite number (not a bool); else ValueError
-    ``my_prediction=<value> must be None or <what>``."""
+def check_prediction(my_prediction, *, what: str, keys: tuple[str, ...] | None = None, default_key: str | None = None,
+                     above: float | None = None, at_least: float | None = None, at_most: float | None = None,
+                     choices: tuple[str, ...] | None = None):
+    """Every chapter's check of its ``my_prediction`` parameter, before anything runs; returns it normalised.
+
+    * None (the default: CI, or a reader who does not guess) is always accepted and returned;
+    * ``choices`` given: one of those strings (e.g. ``("replicas", "tp")``);
+    * otherwise one finite number (a bool is not a number), within ``above`` (exclusive), ``at_least`` and
+      ``at_most`` where given, returned as float — or, when ``keys`` is given, a dict of such numbers whose keys
+      are among ``keys`` (``keys=()``: any keys), returned as a dict; a plain number then becomes
+      ``{default_key: number}`` when ``default_key`` is given.
+
+    Raises ValueError ``my_prediction=<value> must be None or <what>`` (``what`` says what the chapter asks
+    for, with an example), or naming the key that is not one the chapter measures."""
     import math
 
     if my_prediction is None:
-        return
-    try:
-        ok = not isinstance(my_prediction, bool) and math.isfinite(float(my_prediction))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
+        return None
+    if choices is not None:
+        if isinstance(my_prediction, str) and my_prediction in choices:
+            return my_prediction
         raise ValueError(f"my_prediction={my_prediction!r} must be None or {what}")
+
+    def number(v, name: str) -> float:
+        try:
+            x = float(v) if not isinstance(v, (bool, str)) else math.nan
+        except (TypeError, ValueError):
+            x = math.nan
+        in_range = (math.isfinite(x) and (above is None or x > above) and (at_least is None or x >= at_least)
+                    and (at_most is None or x <= at_most))
+        if not in_range:
+            raise ValueError(f"{name}={v!r} must be None or {what}")
+        return x
+
+    if isinstance(my_prediction, dict):
+        if keys is None:
+            raise ValueError(f"my_prediction={my_prediction!r} must be None or {what}")
+        for k in my_prediction:
+            if keys and k not in keys:
+                raise ValueError(f"my_prediction key {k!r} is not one this chapter measures; valid keys: "
+                                 f"{', '.join(keys)}")
+        return {k: number(v, f"my_prediction[{k!r}]") for k, v in my_prediction.items()}
+    x = number(my_prediction, "my_prediction")
+    return {default_key: x} if keys is not None and default_key is not None else x
 
 
 def charged_emulation_plan(emulate, emulated_ranks, *, charge_as: str, charged_seq_len, model: str,
