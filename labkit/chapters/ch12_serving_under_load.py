@@ -315,6 +315,12 @@ def sweep_keys() -> list[str]:
     return ["mode", "rate_rps", "achieved_rps", "saturated_rps", "ttft_p95_s", "queue_growth_rps", "source"]
 
 
+#: measured knee / predicted knee a correct run stays within: below 1 by the engine's time outside forward passes
+#: and by batches that are not full. Measured on 2 cores: 0.67-0.86 unloaded, 0.60 (replicas) with one core
+#: busy with other work, 0.61-0.68 for TP at world_size 4; the floor leaves that load room, the ceiling 35 %.
+KNEE_VS_PREDICTED = (0.4, 1.35)
+
+
 def check_run(run: dict, lost: dict, swap_recs: pd.DataFrame) -> str:
     """Every check of chapter 12's run (AssertionError naming what is wrong): the knee within its stated
     tolerance of the prediction and the forecast, the queue and TTFT p95 growing past it, percentiles in order,
@@ -322,11 +328,13 @@ def check_run(run: dict, lost: dict, swap_recs: pd.DataFrame) -> str:
     losing nothing, and the quantized weights' bytes and quality. Returns "all checks passed"."""
     sweep, series, classes = run["sweep"], run["series"], run["classes"]
     k = run["knee"].set_index("mode")
-    # the knee: measured within -50 % / +35 % of the model on the forward passes the server made (below it by the
-    # engine's time outside them and batches not full); the forecast from unloaded costs within a factor 3
+    # the knee: measured within KNEE_VS_PREDICTED of the model on the forward passes the server made (below it by
+    # the engine's time outside them and batches not full); the forecast from unloaded costs within a factor 3
+    lo_k, hi_k = KNEE_VS_PREDICTED
     for mode, r in k.iterrows():
-        assert 0.5 <= r["measured_over_predicted"] <= 1.35, f"{mode}: knee measured {r['knee_measured_rps']:.1f} " \
-            f"vs predicted {r['knee_predicted_rps']:.1f} req/s:\n{run['knee']}"
+        assert lo_k <= r["measured_over_predicted"] <= hi_k, f"{mode}: knee measured " \
+            f"{r['knee_measured_rps']:.1f} vs predicted {r['knee_predicted_rps']:.1f} req/s (allowed " \
+            f"{lo_k}..{hi_k} x):\n{run['knee']}"
         assert 1 / 3 <= r["measured_over_forecast"] <= 3, \
             f"{mode}: the forecast was off by more than 3x:\n{run['knee']}"
     for mode, g in sweep.groupby("mode"):
