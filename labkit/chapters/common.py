@@ -141,7 +141,7 @@ def check_prediction(my_prediction, *, what: str, keys: tuple[str, ...] | None =
             return my_prediction
         raise ValueError(f"my_prediction={my_prediction!r} must be None or {what}")
 
-    def number(v, name: str) -> float:
+    def _number(v, name: str) -> float:
         try:
             x = float(v) if not isinstance(v, (bool, str)) else math.nan
         except (TypeError, ValueError):
@@ -159,8 +159,8 @@ def check_prediction(my_prediction, *, what: str, keys: tuple[str, ...] | None =
             if keys and k not in keys:
                 raise ValueError(f"my_prediction key {k!r} is not one this chapter measures; valid keys: "
                                  f"{', '.join(keys)}")
-        return {k: number(v, f"my_prediction[{k!r}]") for k, v in my_prediction.items()}
-    x = number(my_prediction, "my_prediction")
+        return {k: _number(v, f"my_prediction[{k!r}]") for k, v in my_prediction.items()}
+    x = _number(my_prediction, "my_prediction")
     return {default_key: x} if keys is not None and default_key is not None else x
 
 
