@@ -91,6 +91,11 @@ def format_table(df: pd.DataFrame) -> str:
 # ------------------------------------------------------------------------------------------------------
 # the measured machine, in sentences from its numbers
 # ------------------------------------------------------------------------------------------------------
+#: the timing noise an MFU may carry on a steady core (a fraction): the check's limit is 1 + this, or the peak's
+#: own spread between tries where that is larger (:func:`mfu_limit`)
+MFU_TIMING_NOISE = 0.10
+
+
 def peak_findings(peak: dict) -> str:
     """The measured peaks explained: one thread alone vs every core together, and which one the MFU uses."""
     one, full, cores = peak["flops_1_thread"], peak["flops_all_cores"], peak["cores"]
@@ -107,10 +112,12 @@ def peak_findings(peak: dict) -> str:
     else:
         why = f"The cores scale: all together reach {ratio / cores:.0%} of cores x one thread."
     spread = float(peak.get("spread_1_thread", 1.0))
-    tries = len(peak.get("tries_1_thread", ())) or 1
-    noise = (f" One thread's {tries} tries spread {spread:.2f}x (best / worst): "
-             + ("the core's speed moved while it was measured (other work, frequency changes), so an MFU carries "
-                f"about {spread - 1:.0%} of timing noise." if spread > 1.10 else "a steady core.")) if tries > 1 else ""
+    tries = len(peak.get("tries_1_thread", ()))
+    noise = ""
+    if tries > 1:
+        moved = ("the core's speed moved while it was measured (other work, frequency changes), so an MFU carries "
+                 f"about {spread - 1:.0%} of timing noise." if spread > 1 + MFU_TIMING_NOISE else "a steady core.")
+        noise = f" One thread's {tries} tries spread {spread:.2f}x (best / worst): {moved}"
     return (f"{head} {why} MFU denominator: {peak['flops_machine'] / 1e9:.1f} GFLOP/s = {peak['machine_basis']}."
             f"{noise}")
 
@@ -331,7 +338,7 @@ def mfu_limit(peak: dict) -> float:
     1 + the timing noise, which is 10 % or, where larger, how far the core's own peak moved between tries
     (``spread_1_thread``, best / worst: a shared or throttling machine runs some steps faster than some peak
     tries)."""
-    return max(1.10, float(peak.get("spread_1_thread", 1.0)))
+    return max(1 + MFU_TIMING_NOISE, float(peak.get("spread_1_thread", 1.0)))
 
 
 def check_series(series: pd.DataFrame, pred: pd.DataFrame, *, world_sizes, strong_total: int, weak_per_rank: int,
