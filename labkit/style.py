@@ -102,17 +102,32 @@ def words(name: str) -> str:
     return " ".join(_WORDS.get(part, part) for part in text.split("_") if part)
 
 
+def _find_top_level(text: str, sep: str, start: int) -> int:
+    """Index of the first ``sep`` in ``text`` at or after ``start`` that is outside every ``(...)`` / ``[...]``,
+    or -1."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if i >= start and depth == 0 and text.startswith(sep, i):
+            return i
+        if ch in "([":
+            depth += 1
+        elif ch in ")]" and depth:
+            depth -= 1
+    return -1
+
+
 def split_title(text: str, width: int = 72) -> tuple[str, str]:
     """``(title, subtitle)`` of a long title: what follows its first " — ", "; ", ": ", " (" or ", " (past the first
-    15 characters) becomes the subtitle; each part is wrapped at word boundaries (``<br>``), the subtitle's
-    "; "-separated parts on lines of their own. A title up to ``width`` characters stays whole."""
+    15 characters, and never inside a parenthesis or bracket: "(line: h100)" stays whole) becomes the subtitle;
+    each part is wrapped at word boundaries (``<br>``), the subtitle's "; "-separated parts on lines of their own.
+    A title up to ``width`` characters stays whole."""
     import textwrap
 
     if len(text) <= width or "<br>" in text:
         return text, ""
     head, rest = text, ""
     for sep in (" — ", "; ", ": ", " (", ", "):
-        i = text.find(sep, 15)
+        i = _find_top_level(text, sep, 15)
         if 0 < i <= width:
             head, rest = text[:i], text[i + len(sep):] if sep != " (" else text[i + 1:]
             break

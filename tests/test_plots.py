@@ -157,3 +157,10 @@ def test_memory_bars_name_categories_in_words():
 
     fig = memory_bars({"a": {"parameters": 2**30, "kv_cache": 2**30}}, title="x")
     assert [t.name for t in fig.data] == ["parameters", "KV cache"]
+
+
+def test_split_title_never_splits_inside_a_parenthesis():
+    main, sub = style.split_title("Predicted training memory per GPU, llama-3-70b, seq 8192 (line: h100-80gb)")
+    assert "(line: h100-80gb)" in sub and main.count("(") == main.count(")")
+    main, sub = style.split_title("A title long enough to split [a: b] with more words after it: the subtitle here")
+    assert main.count("[") == main.count("]") and sub.startswith("the subtitle")
