@@ -195,11 +195,28 @@ def zero_runs(ctx) -> dict:
             user_loop(z, opt, r, n, m=2, zero=z.zero_grad)
             out[(1, "acc-sync-each")] = {"state": _state(z)}
             z.close()
+    # torch's first idiom: the optimizer over model.parameters() (one set: the shards and what stays whole)
+    for stage in (1, 2, 3):
+        z = ZeroDataParallel(make_net(), stage)
+        opt = adamw(z.parameters())
+        user_loop(z, opt, r, n)
+        out[(stage, "model-parameters")] = {"state": _state(z), "names": [q for q, _ in z.named_parameters()]}
+        z.close()
+    # ignored_params: kept whole and replicated (gradients averaged), the rest sharded
+    for stage in (1, 2, 3):
+        net = make_net()
+        keep = [net.inp.weight]
+        z = ZeroDataParallel(net, stage, ignored_params=keep)
+        opt = adamw(z.parameters())
+        user_loop(z, opt, r, n)
+        out[(stage, "ignored")] = {"state": _state(z), "kept_whole": tuple(net.inp.weight.shape),
+                                   "in_a_unit": any(p is net.inp.weight for u in z.units for p in u.params)}
+        z.close()
     # the wrong optimizer: a clear error at the first step
     errors = {}
-    for stage, params in ((1, "parameters"), (2, "module"), (3, "parameters")):
+    for stage, params in ((1, "module"), (2, "module"), (3, "both")):
         z = ZeroDataParallel(make_net(), stage)
-        opt = adamw(z.parameters() if params == "parameters" else z.module.parameters())
+        opt = adamw(list(z.module.parameters()) + (z.optim_parameters() if params == "both" else []))
         try:
             user_loop(z, opt, r, n, steps=1)
         except ValueError as e:
@@ -496,9 +513,31 @@ def test_accumulation_in_a_plain_loop(launched, ref, stage):
 def test_wrong_optimizer_parameters_are_a_clear_error(launched):
     n, res = launched
     errors = res[0]["zero"]["errors"]
-    assert "build it over model.optim_parameters()" in errors[1] and "stage=1" in errors[1]
+    assert "build it over model.parameters()" in errors[1] and "stage=1" in errors[1]
     assert "the module's parameter 'inp.weight'" in errors[2]
     assert "both the flat shards and the module's parameters" in errors[3] and "model.module.parameters()" in errors[3]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_over_model_parameters_as_in_torch(launched, ref, stage):
+    """``AdamW(model.parameters())`` — torch FSDP's first idiom — trains as the reference at every stage, and
+    ``named_parameters`` holds the shards once and no view into them."""
+    n, res = launched
+    row = res[0]["zero"][(stage, "model-parameters")]
+    _close(row["state"], ref["state"], f"ZeRO-{stage} over model.parameters()")
+    assert row["names"] and all(q.startswith("shards.") or q.startswith("module.") for q in row["names"])
+    assert not any(q == "module.inp.weight" for q in row["names"])  # sharded: only its shard is yielded
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ignored_params_stay_whole_and_replicated(launched, ref, stage):
+    """``ignored_params`` (FSDP2's name): the parameter is never in a unit, keeps its shape, and its averaged
+    gradient keeps every replica equal to the reference (a missing all-reduce would leave each rank's own)."""
+    n, res = launched
+    row = res[0]["zero"][(stage, "ignored")]
+    assert not row["in_a_unit"] and len(row["kept_whole"]) == 2
+    for r in range(n):
+        _close(res[r]["zero"][(stage, "ignored")]["state"], ref["state"], f"ZeRO-{stage} ignored_params rank {r}")
 
 
 def test_stage3_optimizer_over_module_parameters_with_groups(launched):

@@ -105,7 +105,9 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
             covered[key] = merged
         out[cat] += new
 
-    params = list(dict.fromkeys(model.parameters()))
+    # every registered parameter, also those a wrapper's parameters() leaves out (ZeroDataParallel yields its
+    # shards, not the module's views into the full flat buffer, which still hold memory)
+    params = list(dict.fromkeys(p for m in model.modules() for p in m._parameters.values() if p is not None))
     for p in params:
         add("parameters", p)
     for p in params:

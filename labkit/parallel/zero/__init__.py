@@ -8,7 +8,7 @@ optimizer state, stage 2 (P_os+g) also the gradients, stage 3 (P_os+g+p) also th
   multiple of n; rank r owns the shard [r·k, (r+1)·k), k = padded/n; gather (all-gather), free, and
   reduce-scatter of its gradients;
 * ``wrapper.py`` — :class:`ZeroDataParallel`: stages 1-3 over those units (hooks, the wrapper protocol of
-  :mod:`labkit.runtime.training`);
+  :mod:`labkit.runtime.training`); ``guards.py`` what it checks (``ignored_params``, the optimizer) and casts;
 * ``fsdp2.py`` — :func:`fsdp2`: torch's ``fully_shard`` (stage 3), and :func:`check_fsdp_devices`;
 * ``optimizer.py`` — :class:`ShardedOptimizer`: ZeRO-1 as an optimizer wrapper (torch's
   ``ZeroRedundancyOptimizer`` shape), state sharded by parameter, on top of any DDP.

@@ -39,18 +39,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from labkit.checks import check_choice
 from labkit.parallel.data.naive import broadcast_parameters, module_device, queue_after_backward
 from labkit.parallel.zero.fsdp2 import BACKEND_DEVICE, check_fsdp_devices
+from labkit.parallel.zero.guards import cast_floating, check_ignored, optimizer_guard
 from labkit.parallel.zero.units import _Unit
-
-
-def _cast(x, dtype):
-    """Floating tensors in ``x`` (a tensor, or nested tuples / lists / dicts of them) cast to ``dtype``."""
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cast(v, dtype) for v in x)
-    if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
-    return x
 
 
 class ZeroDataParallel(nn.Module):
@@ -75,13 +65,22 @@ class ZeroDataParallel(nn.Module):
             parameters are used in ``param_dtype`` as well (kept whole; ``full_state_dict`` gives their own
             dtype).
 
+        ignored_params: keyword-only: parameters of ``module`` kept whole and replicated on every rank,
+            outside every unit (FSDP2's ``fully_shard(..., ignored_params=...)`` name): never sharded or
+            gathered. Unlike FSDP2, which leaves their gradients to the caller, a trainable ignored parameter's
+            gradient is averaged over the group (one all-reduce each, blocking, at the end of the gradient sync)
+            so the replicas stay equal; they are not cast by ``mp_policy``.
+
     Parameters with ``requires_grad=False`` (decided at construction) stay whole on every rank, outside
     every unit: never in a shard, a reduction or the optimizer.
 
-    Build the optimizer over :meth:`optim_parameters` (the flat shards, like FSDP1's flat parameters), after
-    wrapping; at stage 3 it may instead be built over ``model.module.parameters()`` (each a view of its part of
-    the shard, so param groups work). An optimizer holding the module's parameters at stages 1-2, or both
-    forms at stage 3 (``model.parameters()``), raises ValueError at its first ``step()``.
+    Build the optimizer after wrapping, as with torch's FSDP: ``AdamW(model.parameters())`` works at every
+    stage — :meth:`named_parameters` yields one set: this rank's flat shard of every unit (``shards.<i>``, like
+    FSDP1's flat parameters), then the parameters kept whole (frozen and ignored ones, ``module.<name>``).
+    :meth:`optim_parameters` is the shards alone. At stage 3 the optimizer may instead be built over
+    ``model.module.parameters()`` (each a view of its part of the shard, so param groups work). An optimizer
+    holding the module's sharded parameters at stages 1-2, or both forms at stage 3, raises ValueError at its
+    first ``step()``.
 
     Gradients: the sync runs at the end of each backward (stage 1: not inside ``no_sync()``), whichever
     forward built the graph. The optimizer's gradients are the shards' ``.grad``; at stage 3 each module
@@ -96,9 +95,10 @@ class ZeroDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, stage: int, *, ctx=None, group=None, unit_modules=None,
-                 mp_policy=None):
+                 mp_policy=None, ignored_params=None):
         super().__init__()
         check_choice("stage", stage, (1, 2, 3))
+        ignored = check_ignored(module, ignored_params)
         param_dtype = getattr(mp_policy, "param_dtype", None)
         reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
         if (param_dtype or reduce_dtype) and stage != 3:
@@ -121,8 +121,12 @@ class ZeroDataParallel(nn.Module):
                 owner.setdefault(p, i)
         per_unit: list[list] = [[] for _ in unit_modules]
         root = []
+        self._replicated = []  # (name, parameter): trainable ignored parameters, whole, gradients all-reduced
         for q, p in module.named_parameters():
-            if p.requires_grad:  # a frozen parameter stays whole on every rank, outside every unit
+            if p in ignored:
+                if p.requires_grad:
+                    self._replicated.append((q, p))
+            elif p.requires_grad:  # a frozen parameter stays whole on every rank, outside every unit
                 (per_unit[owner[p]] if p in owner else root).append((q, p))
         self.units: list[_Unit] = []  # (root first, then the layers in order)
         self.root = None
@@ -144,7 +148,7 @@ class ZeroDataParallel(nn.Module):
         self._frozen_master = {}
         if param_dtype is not None:
             for q, p in module.named_parameters():
-                if not p.requires_grad and p.is_floating_point() and p.dtype != param_dtype:
+                if not p.requires_grad and p not in ignored and p.is_floating_point() and p.dtype != param_dtype:
                     self._frozen_master[q] = p.data
                     p.data = p.data.to(param_dtype)  # p.shape, in param_dtype
         # registered, so ``self.parameters()`` (and labkit.runtime.measure) see what this rank keeps: the shards
@@ -155,6 +159,7 @@ class ZeroDataParallel(nn.Module):
         if stage != 1:
             self.no_sync = None  # the wrapper protocol: this wrapper cannot defer gradient synchronisation
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params]
+        self._handles += [p.register_post_accumulate_grad_hook(self._on_replicated_grad) for _, p in self._replicated]
         self._handles.append(module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self._handles.append(module.register_forward_hook(self._root_post_forward))
         if stage == 3:
@@ -162,13 +167,30 @@ class ZeroDataParallel(nn.Module):
                 self._handles.append(m.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
                 self._handles.append(m.register_forward_hook(self._post_forward(u)))
         self._checked = weakref.WeakSet()
-        self._handles.append(register_optimizer_step_pre_hook(_optimizer_guard(self)))
+        self._handles.append(register_optimizer_step_pre_hook(optimizer_guard(self)))
         self.zero_grad()
 
     # -- protocol ------------------------------------------------------------------------------------
     def optim_parameters(self) -> list[nn.Parameter]:
-        """The parameters the optimizer must own: this rank's flat shard of every unit."""
+        """This rank's flat shard of every unit (without the parameters kept whole: :meth:`parameters` has both)."""
         return [u.shard for u in self.units]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """One set, as torch's FSDP: ``shards.<i>`` (this rank's flat shard of each unit, root first), then every
+        parameter of the module kept whole (frozen or ignored), named ``module.<name>``; never the module's
+        sharded parameters (views into the shards). So ``torch.optim.AdamW(model.parameters())`` holds what
+        this rank updates. ``recurse`` is accepted for torch's signature (the set is the same)."""
+        pre = f"{prefix}." if prefix else ""
+        seen = set()
+        for i, u in enumerate(self.units):
+            seen.add(u.shard)
+            yield f"{pre}shards.{i}", u.shard
+        sharded = set(self._unit_of)
+        for q, p in self.module.named_parameters(remove_duplicate=remove_duplicate):
+            if p in sharded or (remove_duplicate and p in seen):
+                continue
+            seen.add(p)
+            yield f"{pre}module.{q}", p
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)  # tokens (b, T) -> logits (b, T, V); b: this rank's (micro-)batch
@@ -189,6 +211,11 @@ class ZeroDataParallel(nn.Module):
         they are zeros. The optimizer's own ``zero_grad`` (over the shards), either way, works as well."""
         for u in self.units:
             u.zero_grad(set_to_none)
+        for _, p in self._replicated:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
     def finish_grad_sync(self) -> None:
         """Finish the gradient sync of the last backward if it has not finished yet (it runs by itself at the
@@ -205,6 +232,10 @@ class ZeroDataParallel(nn.Module):
                     self._launch(u)
         for u in self.units:
             u.finish_reduce()
+        for _, p in self._replicated:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)  # p.shape: the sum over the group ...
+                p.grad.div_(self.n)  # ... -> the average, equal on every rank
         self._pending = False
 
     def after_optimizer_step(self) -> None:
@@ -236,6 +267,8 @@ class ZeroDataParallel(nn.Module):
             for u in self.units:
                 for q, t in zip(u.names, u.full_tensors(grads=True)):
                     out[q] = t.cpu().clone()  # p.shape
+            for q, p in self._replicated:
+                out[q] = (torch.zeros_like(p) if p.grad is None else p.grad).detach().cpu().clone()  # p.shape
         return out
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -247,21 +280,25 @@ class ZeroDataParallel(nn.Module):
         if not norm_type > 0:
             raise ValueError(f"norm_type={norm_type!r} must be > 0 (or inf)")
         grads = [u.shard.grad.detach() for u in self.units if u.shard.grad is not None]  # [k] each
+        whole = [p.grad.detach() for _, p in self._replicated if p.grad is not None]  # p.shape, equal on all ranks
         dev = self.units[0].shard.device if self.units else torch.device("cpu")
         if math.isinf(norm_type):
             local = torch.zeros((), device=dev)  # scalar
-            if grads:
-                local = torch.stack([g.abs().max() for g in grads]).max()  # scalar: the largest |g| here
+            if grads or whole:
+                local = torch.stack([g.abs().max() for g in grads + whole]).max()  # scalar: the largest |g| here
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)  # scalar
             total = local
         else:
-            local = sum((g.float().abs() ** norm_type).sum() for g in grads) if grads else torch.zeros((), device=dev)
-            local = torch.as_tensor(local, dtype=torch.float32, device=dev)
+            local = torch.zeros((), dtype=torch.float32, device=dev)  # scalar
+            for g in grads:
+                local = local + (g.float().abs() ** norm_type).sum()
+            for g in whole:  # replicated: each rank adds 1/n of it, so the sum over ranks counts it once
+                local = local + (g.float().abs() ** norm_type).sum() / self.n
             dist.all_reduce(local, group=self.group)  # scalar: sum over ranks of |g|^p
             total = local ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))  # [k]
+        for g in grads + whole:
+            g.mul_(coef.to(g.dtype))  # [k] or p.shape
         return total
 
     def close(self) -> None:
@@ -278,10 +315,17 @@ class ZeroDataParallel(nn.Module):
         if mine and (self.stage < 3 or shards):
             what = ("both the flat shards and the module's parameters (views into them)" if shards
                     else f"the module's parameter {mine[0]!r}, which this wrapper shards")
-            fix = ("model.optim_parameters() or model.module.parameters(), not model.parameters()" if shards
-                   and self.stage == 3 else "model.optim_parameters() (this rank's flat shards)")
+            fix = ("model.parameters() or model.module.parameters(), not both" if shards and self.stage == 3
+                   else "model.parameters() (this rank's flat shards and what stays whole)")
             raise ValueError(f"ZeroDataParallel(stage={self.stage}): the optimizer holds {what}; build it over "
                              f"{fix}")
+
+    def _on_replicated_grad(self, _p: torch.Tensor) -> None:
+        if self.stage == 1 and not self.require_sync:
+            return
+        if not self._pending:
+            self._pending = True
+            queue_after_backward(self.finish_grad_sync)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self.stage == 1 and not self.require_sync:
@@ -309,7 +353,7 @@ class ZeroDataParallel(nn.Module):
         elif self.root is not None:
             self.root.gather()  # root flat [n·k] <- [k] from each rank; kept until its backward is done
         if self._input_dtype is not None:
-            return _cast(args, self._input_dtype), _cast(kwargs, self._input_dtype)
+            return cast_floating(args, self._input_dtype), cast_floating(kwargs, self._input_dtype)
         return None
 
     def _root_post_forward(self, _module, _args, output):
@@ -318,14 +362,14 @@ class ZeroDataParallel(nn.Module):
                 u.reshard()
                 u.use_sharded_views()
         if self._output_dtype is not None:
-            return _cast(output, self._output_dtype)
+            return cast_floating(output, self._output_dtype)
         return None
 
     def _pre_forward(self, u: _Unit):
         def hook(_module, args, kwargs):
             u.gather()  # flat [n·k] <- [k] from each rank, before this unit's forward
             if self._input_dtype is not None:
-                return _cast(args, self._input_dtype), _cast(kwargs, self._input_dtype)
+                return cast_floating(args, self._input_dtype), cast_floating(kwargs, self._input_dtype)
             return None
 
         return hook
@@ -344,18 +388,3 @@ class ZeroDataParallel(nn.Module):
                 u.use_sharded_views()
 
         return hook
-
-
-def _optimizer_guard(z: ZeroDataParallel):
-    """A global ``register_optimizer_step_pre_hook``: the first ``step()`` of each optimizer checks that it
-    holds the parameters this wrapper expects (:meth:`ZeroDataParallel._check_optimizer`)."""
-    ref = weakref.ref(z)
-
-    def hook(optimizer, _args, _kwargs):
-        w = ref()
-        if w is None or optimizer in w._checked:
-            return
-        w._check_optimizer(optimizer)
-        w._checked.add(optimizer)
-
-    return hook
