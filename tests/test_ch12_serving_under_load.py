@@ -44,3 +44,32 @@ def test_knee_ratio_above_and_below_one():
         pd.DataFrame({"mode": ["replicas", "replicas", "tp", "tp"], "rate_rps": [1.0, 9.0, 1.0, 9.0],
                       "ttft_p95_s": [0.1, 1.0, 0.1, 1.0], "queue_growth_rps": [0.0, 2.0, 0.0, 1.0]})))
     assert "On these ranks tp sustained the higher rate (10.0 vs 5.0" in text
+
+
+def _sweep_records(lo_ttft, hi_ttft, mode="tp"):
+    rows = [{"experiment": "sweep", "mode": mode, "status": "ok", "rate_rps": rate, "ttft_s": t}
+            for rate, ts in ((10.0, lo_ttft), (60.0, hi_ttft)) for t in ts]
+    rows.append({"experiment": "policy", "mode": mode, "status": "ok", "rate_rps": 10.0, "ttft_s": 99.0})
+    rows.append({"experiment": "sweep", "mode": mode, "status": "cancelled", "rate_rps": 60.0, "ttft_s": 0.0})
+    return pd.DataFrame(rows)
+
+
+def test_ttft_growth_is_not_decided_by_a_few_delayed_requests():
+    # the run the issue saw: three requests below the knee delayed by other work lift its p95 above the p95 past
+    # the knee (55 vs 32 ms), yet most requests past the knee waited longer: the check passes on the majority
+    lo = [0.010] * 17 + [0.055, 0.060, 0.070]
+    hi = [0.020 + 0.0005 * i for i in range(20)]
+    recs = _sweep_records(lo, hi)
+    p95 = {r: g["ttft_s"].quantile(0.95) for r, g in recs[recs["experiment"] == "sweep"].groupby("rate_rps")}
+    assert p95[10.0] > p95[60.0]  # the old check (two p95s) would have failed
+    assert ch.ttft_growth(recs, "tp", 10.0, 60.0) == pytest.approx(17 / 20)
+    assert ch.ttft_growth(recs, "tp", 10.0, 60.0) > ch.TTFT_GROWTH_MIN
+
+
+def test_ttft_growth_fails_when_the_rate_does_not_slow_the_first_token():
+    same = [0.01 * (i % 5) for i in range(20)]
+    assert ch.ttft_growth(_sweep_records(same, same), "tp", 10.0, 60.0) == pytest.approx(0.5)
+    faster = ch.ttft_growth(_sweep_records([0.05] * 10, [0.01] * 10), "tp", 10.0, 60.0)
+    assert faster == 0.0 and not faster > ch.TTFT_GROWTH_MIN
+    with pytest.raises(ValueError, match="no ok sweep request at rate 30.0"):
+        ch.ttft_growth(_sweep_records(same, same), "tp", 10.0, 30.0)
