@@ -223,30 +223,35 @@ def test_chapter_validates_every_parameter_through_check_chapter(name):
 
 
 #: every chapter's exercise (00-12), run without the chapter's launches: the parameters cell and the first code
-#: cell (imports and check_chapter, nothing launched), then ``stub`` standing in for what the chapter measured
-#: before (a distinctive number, so a leak of it shows), then the exercise cells. ``answers``: the variables the
-#: reader sets and a wrong attempt for each; ``reference``: expressions for where the cells leave the answer (else
-#: the reference argument of the cells' check_exercise call, recorded).
+#: cell (imports and check_chapter, nothing launched), then the exercise cells (tagged "exercise"). ``answers``:
+#: the variables the reader sets and a wrong attempt for each; ``reference``: a callable giving the right answers
+#: (else the reference argument of the cells' check_exercise call, recorded). Chapter 00's launch is stubbed with
+#: a distinctive number, so a leak of it shows.
+def _ch09_reference():
+    from labkit.chapters import ch09_composing_meshes
+
+    return ch09_composing_meshes.exercise_reference()
+
+
 ALL_EXERCISES = {
-    "00_getting_started": dict(stub="launch = lambda fn, n, **kw: [12345.0] * n", answers={"my_prediction": 7},
-                               reference=("exercise_result[0]",)),
-    "01_memory_budgets": dict(stub="zero3 = {'optimizer': 4567891}", answers={"my_optimizer_bytes": 1000},
-                              reference=("measured_opt",)),
+    "00_getting_started": dict(answers={"my_prediction": 7}),
+    "01_memory_budgets": dict(answers={"my_optimizer_bytes": 1000}),
     "02_collectives": dict(answers={"answer_bytes": 3}),
-    "03_data_parallel": dict(stub="psi = 1234567", answers={"answer": 3}),
+    "03_data_parallel": dict(answers={"answer": 3}),
     "04_zero_fsdp": dict(answers={"answer": 3.0}),
-    "05_tensor_parallel": dict(stub="tables = {'TP+SP': pd.DataFrame({'where': ['layer0', 'layer1', 'embedding'], "
-                                    "'bytes_per_rank_model': [123456.0, 654321.0, 99.0]})}",
-                               answers={"answer_bytes": 3}),
+    "05_tensor_parallel": dict(answers={"answer_bytes": 3}),
     "06_pipeline_parallel": dict(answers={"answer": 0.9}),
     "07_context_parallel": dict(answers={"answer": 3}),
     "08_expert_parallel": dict(answers={"answer": 3}),
     "09_composing_meshes": dict(answers={"answer_pp_group": [1, 2, 3, 4], "answer_dp_link": "inter-node"},
-                                reference=("ref_pp", "ref_link")),
+                                reference=_ch09_reference),
     "10_serving": dict(answers={"answer_bytes": 3}),
     "11_scaling": dict(answers={"answer_efficiency": 0.1}),
     "12_serving_under_load": dict(answers={"answer_rate": 3.0}),
 }
+
+#: the only calls an exercise cell may make: the chapter's check, whose reference is computed out of sight
+EXERCISE_CALLS = {"exercises.check", "ch.check_grid_exercise"}
 
 
 def test_every_chapter_has_its_exercise_in_the_no_leak_test():
@@ -254,13 +259,28 @@ def test_every_chapter_has_its_exercise_in_the_no_leak_test():
 
 
 def _exercise_cells(name):
-    """The code cells after the chapter's Exercise heading, one source."""
+    """The chapter's exercise cells (tagged "exercise", after its Exercise heading), one source."""
     import re
 
     cells = nbformat.read(str(notebooks_dir() / f"{name}.ipynb"), 4).cells
     head = max(i for i, c in enumerate(cells) if c.cell_type == "markdown"
                and re.search(r"^#+ .*Exercise", c.source, re.M))
-    return "\n".join(c.source for c in cells[head + 1:] if c.cell_type == "code")
+    tagged = [c.source for c in cells[head + 1:] if "exercise" in c.metadata.get("tags", [])]
+    assert tagged, f"{name}: no cell tagged 'exercise' after the Exercise heading"
+    return "\n".join(tagged)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_EXERCISES))
+def test_exercise_cells_compute_no_reference_in_sight(name):
+    """The reference is neither printed nor computable from the exercise cells: they set the answer and make one
+    call, the chapter's check (labkit.chapters.exercises, or chapter 09's grid check), with no function of the
+    exercise's own data (a formula, a launch) written in the notebook."""
+    tree = ast.parse(_exercise_cells(name))
+    calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert calls and calls <= EXERCISE_CALLS, f"{name}: exercise cells call {sorted(calls - EXERCISE_CALLS)}"
+    assigned = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+    assert assigned == set(ALL_EXERCISES[name]["answers"]), f"{name}: the cells assign {sorted(assigned)}"
 
 
 def _leak_forms(ref) -> set[str]:
@@ -288,9 +308,11 @@ def _with_answers(src, answers):
 
 @pytest.mark.parametrize("name", sorted(ALL_EXERCISES))
 def test_exercise_never_prints_the_answer_not_attempted_or_wrong(name, capsys, monkeypatch):
-    """Every chapter: not attempted prints a hint and not the reference; a wrong attempt fails (AssertionError)
-    without printing or raising it; the right answer is accepted. The reference is what the exercise's own check
-    compares with (check_exercise's argument, or the chapter's variables)."""
+    """Every chapter's exercise cells, executed: not attempted prints a hint and not the reference; a wrong
+    attempt fails (AssertionError) with a second hint, without printing or raising the answer; the right answer
+    is accepted. The reference is what the exercise's own check compares with (check_exercise's argument, or
+    the chapter's reference function)."""
+    import labkit.runtime.launcher
     from labkit.chapters import common
 
     case = ALL_EXERCISES[name]
@@ -302,18 +324,18 @@ def test_exercise_never_prints_the_answer_not_attempted_or_wrong(name, capsys, m
         return real(answer, reference, **kw)
 
     monkeypatch.setattr(common, "check_exercise", spy)
+    monkeypatch.setattr(labkit.runtime.launcher, "launch", lambda fn, n, **kw: [12345.0] * n)
     params, first, _ = _cells(name)
     ns: dict = {}
     exec(params, ns)
     exec(first, ns)
-    exec(case.get("stub", ""), ns)
     capsys.readouterr()
     exercise = _exercise_cells(name)
     setup = dict(ns)
 
     exec(exercise, ns)  # not attempted: the reference is computed (the cell runs its code), never shown
     out = capsys.readouterr().out
-    refs = [eval(r, ns) for r in case["reference"]] if "reference" in case else seen[-1:]
+    refs = list(case["reference"]()) if "reference" in case else seen[-1:]
     assert refs, "the exercise checks against no reference"
     leaked = [f for ref in refs for f in _leak_forms(ref) if f in out]
     assert not leaked, f"not attempted, yet the output shows the answer {leaked}: {out}"
@@ -325,6 +347,8 @@ def test_exercise_never_prints_the_answer_not_attempted_or_wrong(name, capsys, m
     leaked = [f for ref in refs for f in _leak_forms(ref) if f in text]
     assert not leaked, f"a wrong attempt shows the answer {leaked}: {text}"
     assert "not attempted" in out.lower() and "hint" in out.lower(), out
+    assert "hint" in str(wrong.value).lower() or "is not it" in str(wrong.value), \
+        f"no hint after a wrong answer: {wrong.value}"
 
     right = dict(zip(case["answers"], refs))
     ns = dict(setup)

@@ -57,7 +57,7 @@ def check_exercise(answer, reference: float, *, hint: str, wrong: str, rel_tol: 
         print(f"not attempted yet — hint: {hint}")
         return
     ok = math.isclose(float(answer), float(reference), rel_tol=rel_tol, abs_tol=abs_tol)
-    assert ok, f"{answer!r} is not right: {wrong}"
+    assert ok, f"{answer!r} is not right. Hint: {wrong}"
     print("correct")
 
 
