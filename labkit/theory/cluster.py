@@ -14,9 +14,17 @@ Costs (each a documented formula; sizes in bytes, times in seconds, bandwidths i
 * compute of one operation (:meth:`Cluster.compute_s`), the roofline model (Williams, Waterman & Patterson
   2009, "Roofline", CACM 52(4)): ``max(flops / (peak[dtype] * compute_efficiency),
   bytes / (memory_bandwidth * memory_efficiency)) + kernel_overhead_s``;
+* one kernel priced by its shape (:meth:`Cluster.kernel_s`): GEMMs, flash attention and memory-bound kernels
+  by :mod:`labkit.theory.kernels` with the profile's ``kernels`` (:class:`~labkit.theory.kernels.KernelParams`,
+  defaults per device from data/hardware.yaml, each with its source); unshaped operations fall back to the
+  roofline above;
 * a collective on a group of global ranks (:meth:`Cluster.collective_s`):
   :func:`labkit.theory.costmodel.group_collective_time` (ring inside a node, hierarchical across nodes);
 * a point-to-point transfer (:meth:`Cluster.p2p_s`): the same function for ``send_recv`` on the pair.
+
+``nvls`` (None = the intra link's capability) lets NCCL use NVLink SHARP; ``comm_compute_share`` is the share of
+the GPU's compute a communication kernel occupies while it overlaps compute (NCCL runs on SMs: DeepSeek-V3
+dedicates 20 of 132 H100 SMs to communication, arXiv 2412.19437 sec. 3.2.2); the emulator's replay applies it.
 
 Default efficiencies, each a named parameter (the emulator states the values it used):
 
@@ -26,8 +34,8 @@ Default efficiencies, each a named parameter (the emulator states the values it 
   so small, memory-bound kernels are charged by their bytes, not by this factor;
 * ``memory_efficiency`` = 0.8: the fraction of the memory bandwidth a streaming kernel reaches (an assumption
   of the lab; STREAM-like copy kernels reach 80-90 % of HBM peak);
-* ``link_efficiency`` = 1.0: links at their line rate, as :mod:`labkit.theory.costmodel` and the planner
-  assume (NCCL's ring reaches about 370 of NVLink 4's 450 GB/s, 0.82: NVIDIA/nccl-tests#212);
+* ``link_efficiency`` = 1.0: no derating beyond the NCCL model's own (:mod:`labkit.theory.nccl` already prices
+  bus bandwidth below line rate: its fitted ``bus_efficiency``, about 0.82 of NVLink 4 for a ring);
 * ``kernel_overhead_s`` = 0.0: no per-operation launch cost (a GPU kernel launch costs a few microseconds; set
   it to charge small, launch-bound operations).
 """
@@ -40,6 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from labkit.checks import check_choice, positive_int
 from labkit.theory import costmodel
+from labkit.theory import kernels as kmodel
 
 #: dtypes a device's peak is given for, as the emulator names them (torch dtype names map onto these)
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16")
@@ -158,8 +167,11 @@ class Cluster:
     link_efficiency: float = 1.0
     kernel_overhead_s: float = 0.0
     base_latency_s: float | None = None
+    nvls: bool | None = None
+    comm_compute_share: float = 0.0
     description: str = ""
     source: str = field(default="", compare=False)
+    kernels: kmodel.KernelParams | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -181,6 +193,20 @@ class Cluster:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b) or b < 0 or math.isinf(b):
             raise ValueError(f"base_latency_s={b!r} must be a number of seconds >= 0")
         object.__setattr__(self, "base_latency_s", float(b))
+        object.__setattr__(self, "nvls", bool(self.intra.nvls if self.nvls is None else self.nvls))
+        c = self.comm_compute_share
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < 1:
+            raise ValueError(f"comm_compute_share={c!r} must be a fraction in [0, 1) of the compute a communication "
+                             "kernel takes while it overlaps compute")
+        object.__setattr__(self, "comm_compute_share", float(c))
+        if self.kernels is None:
+            known = self.device.name in costmodel.devices()
+            object.__setattr__(self, "kernels", kmodel.kernel_params(self.device.name) if known
+                               else kmodel.KernelParams(source="class defaults (custom device)"))
+        elif isinstance(self.kernels, dict):
+            object.__setattr__(self, "kernels", kmodel.KernelParams.from_dict(self.kernels))
+        elif not isinstance(self.kernels, kmodel.KernelParams):
+            raise ValueError(f"kernels={self.kernels!r} must be a KernelParams, a dict of its fields or None")
 
     # -- placement -----------------------------------------------------------------------------------------
     def node_of(self, rank: int) -> int:
@@ -225,14 +251,65 @@ class Cluster:
         bw = self.device.memory_gbps * 1e9 * self.memory_efficiency
         return max(flops / peak if flops else 0.0, nbytes / bw if nbytes else 0.0) + self.kernel_overhead_s
 
+    def kernel_s(self, kind: str, *, flops: float, nbytes: float, dtype: str = "fp32", shape=None) -> float:
+        """Seconds of one kernel priced by its shape (:mod:`labkit.theory.kernels`, with this profile's
+        ``kernels`` parameters), plus ``kernel_overhead_s``:
+
+        * ``kind="gemm"``, ``shape=(batch, m, n, k)``: :func:`~labkit.theory.kernels.gemm_s` (tile and wave
+          quantisation on the SMs, efficiency falling for small or skinny shapes);
+        * ``kind="attention"``, ``shape=(batch, heads, q_len, kv_len, head_dim, causal)``:
+          :func:`~labkit.theory.kernels.attention_s` (flash attention forward: its own FLOPs and traffic);
+        * ``kind="memory"``: :func:`~labkit.theory.kernels.memory_s` of ``nbytes`` and ``flops`` (bandwidth
+          efficiency and launch cost);
+        * ``kind="other"`` or ``shape=None``: the roofline :meth:`compute_s` of ``flops`` and ``nbytes``.
+
+        ``flops`` and ``nbytes`` >= 0 (used by the roofline and the memory kind; a shaped kernel's own FLOPs and
+        bytes come from its shape). Raises ValueError for an unknown kind or a shape of the wrong length."""
+        check_choice("kind", kind, kmodel.KINDS)
+        if kind == "other" or (shape is None and kind != "memory"):
+            return self.compute_s(flops, nbytes, dtype)
+        dev, p = self.device, self.kernels
+        peak = dev.peak_flops(dtype)
+        e = DTYPE_BYTES.get(TORCH_DTYPES.get(dtype, dtype), 4)
+        if kind == "memory":
+            return kmodel.memory_s(nbytes, flops, peak_flops=peak, memory_gbps=dev.memory_gbps,
+                                   params=p) + self.kernel_overhead_s
+        shape = tuple(shape)
+        if kind == "gemm":
+            if len(shape) != 4:
+                raise ValueError(f"gemm shape={shape!r} must be (batch, m, n, k)")
+            b, m, n, k = shape
+            t = kmodel.gemm_s(m, n, k, batch=b, peak_flops=peak, memory_gbps=dev.memory_gbps, params=p,
+                              dtype_bytes=e)
+        else:
+            if len(shape) != 6:
+                raise ValueError(f"attention shape={shape!r} must be (batch, heads, q_len, kv_len, head_dim, causal)")
+            b, h, q, kv, d, causal = shape
+            t = kmodel.attention_s(b, h, q, kv, d, causal=bool(causal), peak_flops=peak,
+                                   memory_gbps=dev.memory_gbps, params=p, dtype_bytes=e)
+        return t + self.kernel_overhead_s
+
     def collective_s(self, op: str, nbytes: float, ranks: Sequence[int]) -> float:
-        """Seconds of one collective of S = ``nbytes`` on the global ``ranks``
-        (:func:`labkit.theory.costmodel.group_collective_time` with this profile's links, NICs and
-        ``link_efficiency``). Raises ValueError as that function does."""
+        """Seconds of one collective of S = ``nbytes`` on the global ``ranks``, priced as NCCL runs it
+        (:func:`labkit.theory.costmodel.group_collective_time`: NCCL's algorithm and protocol choice, NVLS when
+        the profile's ``nvls`` is on, with this profile's links, NICs and ``link_efficiency``); NCCL's per-call
+        latencies when ``base_latency_s`` is the default, else ``base_latency_s`` instead of them. Raises
+        ValueError as that function does."""
+        default = self.base_latency_s == costmodel.base_latency_s("ring")
         t = costmodel.group_collective_time(op, nbytes, ranks, gpus_per_node=self.gpus_per_node,
                                             intra=self.intra, inter=self.inter, nics_per_node=self.nics_per_node,
-                                            link_efficiency=self.link_efficiency, include_base=False)
-        return t + self.base_latency_s if len(ranks) > 1 else 0.0
+                                            link_efficiency=self.link_efficiency, include_base=default,
+                                            nvls=self.nvls)
+        return t + (0.0 if default else self.base_latency_s) if len(ranks) > 1 else 0.0
+
+    def collective_choice(self, op: str, nbytes: float, ranks: Sequence[int]) -> dict:
+        """The algorithm and protocol NCCL would run for ``op`` (all_reduce, all_gather, reduce_scatter,
+        broadcast) on ``ranks`` of this profile, with its predicted time
+        (:func:`labkit.theory.costmodel.collective_choice`). Raises ValueError as that function does."""
+        p = self.placement(ranks)
+        return costmodel.collective_choice(op, nbytes, p["n"], p["nodes"], p["ranks_per_node"], intra=self.intra,
+                                           inter=self.inter, nics_per_node=self.nics_per_node, nvls=self.nvls,
+                                           link_efficiency=self.link_efficiency)
 
     def p2p_s(self, src: int, dst: int, nbytes: float) -> float:
         """Seconds of one point-to-point transfer of ``nbytes`` from global rank ``src`` to ``dst``."""
@@ -250,6 +327,7 @@ class Cluster:
         d = asdict(self)
         d["intra"] = asdict(self.intra)
         d["inter"] = asdict(self.inter) if self.inter is not None else None
+        d["kernels"] = self.kernels.to_dict()
         return _jsonable(d)
 
     @classmethod
@@ -290,7 +368,8 @@ def clusters(path=None) -> dict[str, Cluster]:
     out = {}
     for name, d in (costmodel.hardware(path).get("clusters") or {}).items():
         out[name] = Cluster(name=name, device=d["device"], gpus_per_node=d["gpus_per_node"], intra=d["intra"],
-                            inter=d.get("inter"), nics_per_node=d.get("nics_per_node", 1),
+                            inter=d.get("inter"), nics_per_node=d.get("nics_per_node", 1), nvls=d.get("nvls"),
+                            comm_compute_share=float(d.get("comm_compute_share", 0.0)),
                             rail_optimized=bool(d.get("rail_optimized", False)),
                             description=d.get("description", ""), source=d.get("source", ""))
     return out
@@ -313,5 +392,6 @@ def ideal_cluster(gpus_per_node: int = 1024, **overrides) -> Cluster:
     inf = math.inf
     link = costmodel.Link("ideal", inf, inf, 0.0, 0.0, "infinitely fast, zero latency")
     dev = Device("ideal", {"fp32": inf}, inf)
+    overrides.setdefault("kernels", kmodel.KernelParams(launch_s=0.0, source="ideal: no launch cost"))
     return Cluster(dev, gpus_per_node, link, link, name="ideal", nics_per_node=gpus_per_node, base_latency_s=0.0,
                    **overrides)
