@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # [..., H] -> [..., H]
 
 
 def make_norm(spec: ModelSpec) -> nn.Module:
@@ -63,36 +63,37 @@ def make_norm(spec: ModelSpec) -> nn.Module:
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [max_seq_len, head_dim/2] for rotary embeddings (Su et al. 2021, eq. 34)."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    ang = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv)
-    return ang.cos().float(), ang.sin().float()
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [d/2]
+    ang = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv)  # [T_max, d/2]: position x frequency
+    return ang.cos().float(), ang.sin().float()  # [T_max, d/2] each
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [B, heads, T, d] by the angles in cos/sin [T, d/2]."""
     d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    x1, x2 = x[..., :d], x[..., d:]  # [B, heads, T, d/2] each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # [T, d/2], broadcast over B and heads
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # [B, heads, T, d]
 
 
 def eager_attention(q, k, v, *, causal: bool = True, dropout_p: float = 0.0, training: bool = False):
     """softmax(q k^T / sqrt(d) + mask) v with the [B, heads, Tq, Tk] score matrix materialised.
     q [B, h, Tq, d], k/v [B, h, Tk, d] -> [B, h, Tq, d]. The causal mask aligns the last query with the
     last key (Tq <= Tk)."""
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [B, h, Tq, Tk]
     if causal:
         tq, tk = q.shape[-2], k.shape[-2]
-        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)  # [Tq, Tk]
+        scores = scores.masked_fill(~mask, float("-inf"))  # [B, h, Tq, Tk]
+    probs = torch.softmax(scores, dim=-1)  # [B, h, Tq, Tk], each row sums to 1
     if dropout_p and training:
         probs = F.dropout(probs, dropout_p)
-    return probs @ v
+    return probs @ v  # [B, h, Tq, d]
 
 
 def sdpa_attention(q, k, v, *, causal: bool = True, dropout_p: float = 0.0, training: bool = False):
     """``F.scaled_dot_product_attention`` (flash / memory-efficient kernels where available)."""
+    # q [B, h, Tq, d], k/v [B, h, Tk, d] -> [B, h, Tq, d]
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p if training else 0.0)
 
 
@@ -125,21 +126,21 @@ class Attention(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        b, t, _ = x.shape
+        b, t, _ = x.shape  # x [B, T, H]
         d = self.head_dim
-        q = self.wq(x).view(b, t, -1, d).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, d).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, d).transpose(1, 2)
+        q = self.wq(x).view(b, t, -1, d).transpose(1, 2)  # [B, n_heads, T, d] (n_heads/tp under TP)
+        k = self.wk(x).view(b, t, -1, d).transpose(1, 2)  # [B, n_kv_heads, T, d]
+        v = self.wv(x).view(b, t, -1, d).transpose(1, 2)  # [B, n_kv_heads, T, d]
         if self.use_rope:
-            pos = torch.arange(t, device=x.device) if positions is None else positions
-            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            pos = torch.arange(t, device=x.device) if positions is None else positions  # [T]
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [T, d/2] each
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # shapes unchanged
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        out = self.core(q, k, v, causal=True, dropout_p=self.dropout_p, training=self.training)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+            k = k.repeat_interleave(n_rep, dim=1)  # [B, n_heads, T, d]
+            v = v.repeat_interleave(n_rep, dim=1)  # [B, n_heads, T, d]
+        out = self.core(q, k, v, causal=True, dropout_p=self.dropout_p, training=self.training)  # [B, n_heads, T, d]
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, n_heads*d] -> [B, T, H]
 
 
 class SwiGLU(nn.Module):
@@ -151,8 +152,9 @@ class SwiGLU(nn.Module):
         self.w_up = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
         self.w_down = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
-    def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+    def forward(self, x):  # x [B, T, H]
+        gate = F.silu(self.w_gate(x))  # [B, T, F]
+        return self.w_down(gate * self.w_up(x))  # [B, T, F] -> [B, T, H]
 
 
 class GeluMLP(nn.Module):
@@ -163,8 +165,8 @@ class GeluMLP(nn.Module):
         self.fc_in = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
         self.fc_out = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
-    def forward(self, x):
-        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+    def forward(self, x):  # x [B, T, H]
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))  # [B, T, F] -> [B, T, H]
 
 
 def make_mlp(spec: ModelSpec, ffn_hidden_size: int | None = None) -> nn.Module:
@@ -194,8 +196,8 @@ class Block(nn.Module):
         self.dropout_p = spec.dropout
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + F.dropout(self.attn(self.attn_norm(x), positions), self.dropout_p, self.training)
-        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout_p, self.training)
+        x = x + F.dropout(self.attn(self.attn_norm(x), positions), self.dropout_p, self.training)  # [B, T, H]
+        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout_p, self.training)  # [B, T, H]
 
 
 class Transformer(nn.Module):
@@ -222,23 +224,23 @@ class Transformer(nn.Module):
 
     def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> hidden [B, T, H] (token + learned position embeddings, dropout)."""
-        x = self.embed(tokens)
+        x = self.embed(tokens)  # [B, T] -> [B, T, H]
         if self.pos_embed is not None:
-            pos = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
-            x = x + self.pos_embed(pos)
-        return F.dropout(x, self.spec.dropout, self.training)
+            pos = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions  # [T]
+            x = x + self.pos_embed(pos)  # [B, T, H] + [T, H]
+        return F.dropout(x, self.spec.dropout, self.training)  # [B, T, H]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] -> logits [B, T, V] (final norm, then the output projection)."""
-        x = self.norm(x)
-        return self.lm_head(x) if self.lm_head is not None else x @ self.embed.weight.t()
+        x = self.norm(x)  # [B, T, H]
+        return self.lm_head(x) if self.lm_head is not None else x @ self.embed.weight.t()  # [B, T, V]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         self.spec.check_seq_len(tokens.shape[1], "sequence length")
-        x = self.embed_tokens(tokens, positions)
+        x = self.embed_tokens(tokens, positions)  # tokens [B, T] -> [B, T, H]
         for layer in self.layers:
-            x = layer(x, positions)
-        return self.head(x)
+            x = layer(x, positions)  # [B, T, H]
+        return self.head(x)  # [B, T, V]
 
 
 def init_weights(model: nn.Module, seed: int, n_layers: int) -> None:
@@ -275,7 +277,7 @@ def build_model(spec: ModelSpec | str, seed: int = 0, dtype: torch.dtype = torch
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy: logits [B, T, V], targets [B, T] -> scalar."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))  # [B*T, V], [B*T]
 
 
 # ------------------------------------------------------------------------------------------------------
