@@ -202,7 +202,7 @@ def test_torchrun_ranks_in_a_planted_folder(tmp_path):
     marker = _plant(tmp_path, names=("cloudpickle", "json", "argparse"))
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "labkit.worker",
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "labkit.runtime.worker",
                            "labkit.experiments:hello", "--out", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LABKIT = ROOT / "labkit"
 
 VIEWS = ("labkit.plots", "labkit.widgets", "labkit.notebooks", "labkit.cli", "labkit.commands")
-#: old top-level paths kept as aliases of moved modules: new code names the room
+#: old top-level paths of moved modules, removed: nothing may import them, and none may come back
 ALIASES = ("labkit.launcher", "labkit.worker", "labkit.rank", "labkit.timeline", "labkit.commlog", "labkit.records",
            "labkit.measure", "labkit.memory", "labkit.costmodel", "labkit.simulate", "labkit.mesh", "labkit.planner",
            "labkit.spec")
@@ -57,6 +57,21 @@ def test_rooms_import_only_what_they_may(room):
            for p in sorted((LABKIT / room).rglob("*.py"))
            for line, mod in _imports(p) if _names(mod, FORBIDDEN[room])]
     assert not bad, f"labkit/{room}/ must not import these (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_no_old_module_paths():
+    """One home for each name: the old top-level paths (``labkit.costmodel`` ...) are gone, and nothing in the
+    package, tests, benchmarks, notebooks, docs or README names them."""
+    back = [a for a in ALIASES if (LABKIT / (a.split(".")[1] + ".py")).exists()]
+    assert not back, f"old module paths are back: {back}; import from labkit.theory / labkit.runtime"
+    pattern = re.compile(r"\b(" + "|".join(re.escape(a) for a in ALIASES) + r")\b")
+    files = [*LABKIT.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+             *(ROOT / "notebooks").glob("*.ipynb"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md",
+             *(ROOT / "examples").rglob("*")]
+    me = Path(__file__).resolve()
+    hits = [f"{p.relative_to(ROOT)}: {m.group(1)}" for p in files if p.is_file() and p.resolve() != me
+            for m in pattern.finditer(p.read_text(errors="replace"))]
+    assert not hits, "old module paths still named:\n" + "\n".join(hits)
 
 
 def test_the_boundary_check_sees_a_violation(tmp_path):
