@@ -385,7 +385,7 @@ def _check_launch_args(world_size, timeout_s, start_method, backend, threads_per
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
            start_method: str = "spawn", threads_per_rank: int | None = None, echo: bool = True,
            max_world_size: int | None = None, pool=None, keep_warm: bool = False, emulate=None,
-           **kwargs) -> LaunchResult:
+           fake=False, **kwargs) -> LaunchResult:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
 
     Args:
@@ -412,6 +412,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         emulate: also time the run as a GPU cluster would (:mod:`labkit.runtime.emulate`): a profile name
             such as ``"dgx-h100"``, a :class:`labkit.theory.cluster.Cluster`, or a dict (profile, efficiencies,
             "as a model" charging); runs on gloo. Default: the enclosing ``emulate.emulation(...)`` block's, if any.
+        fake: ``True`` (or a dict of :func:`labkit.runtime.fake.launch_fake` options: ``roles``, ``dims``,
+            ``threads``) runs every rank in one child process under fake tensors and torch's fake process group, at
+            full shapes with no data (:mod:`labkit.runtime.fake`); ``emulate`` then replays the fake traces.
         **kwargs: passed to ``fn``. The names above are reserved by ``launch``.
 
     Returns:
@@ -429,6 +432,14 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout_s: float =
         LaunchTimeout: the run exceeded ``timeout_s`` (``.stacks``: rank -> Python stack).
         KeyboardInterrupt: re-raised after every rank has been killed.
     """
+    if isinstance(emulate, dict) and emulate.get("fake"):  # emulate={"fake": True, ...}: the same switch
+        emulate = {k: v for k, v in emulate.items() if k != "fake"}
+        fake = fake or True
+    if fake:
+        from labkit.runtime.fake import launch_fake
+
+        opts = dict(fake) if isinstance(fake, dict) else {}
+        return launch_fake(fn, world_size, *args, emulate=emulate, timeout_s=timeout_s, **opts, **kwargs)
     emulation = _emulation_plan(emulate, positive_int("world_size", world_size), backend)
     if emulation is not None:
         backend = "gloo"  # the emulated run itself runs on the CPU
