@@ -13,10 +13,9 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from labkit.checks import check_choice, positive_int
 from labkit.paths import data_dir
+from labkit.yamlload import load_path
 
 MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -185,8 +184,7 @@ class ModelSpec:
 
 @functools.lru_cache(maxsize=4)
 def _load_yaml(path: str) -> dict:
-    with open(path) as f:
-        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # libyaml when built
+    return load_path(path) or {}  # PyYAML (libyaml when built), else labkit.yamlload's reader
 
 
 def presets(path: str | Path | None = None) -> dict[str, ModelSpec]:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-import yaml
-
 from labkit.checks import check_choice, positive_float, positive_int
 from labkit.paths import data_dir
 from labkit.theory.memory.conventions import CATEGORIES, DEFAULT_GPU_WORKSPACE_BYTES, GB, GiB
 from labkit.theory.spec import ModelSpec, get_spec
+from labkit.yamlload import load_path
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -20,8 +19,7 @@ from labkit.theory.spec import ModelSpec, get_spec
 # ------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
 def _load_hardware(path: str) -> dict:
-    with open(path) as f:
-        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # libyaml when built
+    return load_path(path) or {}  # PyYAML (libyaml when built), else labkit.yamlload's reader
 
 
 def devices() -> dict[str, dict]:
