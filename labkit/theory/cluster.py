@@ -381,6 +381,13 @@ def get_cluster(name: str | Cluster, **overrides) -> Cluster:
     if isinstance(name, Cluster):
         return name.replace(**overrides) if overrides else name
     known = clusters()
+    if isinstance(name, str) and name not in known:  # a profile fitted by labkit calibrate (theory/calibrate.py)
+        from labkit.theory.calibrate import fitted_cluster, fitted_names
+
+        fitted = fitted_cluster(name)
+        if fitted is not None:
+            return fitted.replace(**overrides) if overrides else fitted
+        known = {**known, **dict.fromkeys(fitted_names())}
     check_choice("cluster", name, known)
     return known[name].replace(**overrides) if overrides else known[name]
 
