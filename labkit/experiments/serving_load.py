@@ -203,7 +203,7 @@ def calibrate(ctx, plan: dict, eng, mode: str, sample: list[dict], *, waves: int
     gaps = [q["t_s"] - p["t_s"] for p, q in zip(steps, steps[1:]) if p["in_flight"] == q["in_flight"] == c]
     sync = 0.0
     if mode == "tp":
-        t = torch.zeros(1, dtype=torch.long)
+        t = torch.zeros(1, dtype=torch.long, device=ctx.device)  # NCCL takes only CUDA tensors (as the engine's)
         times = []
         for _ in range(5):
             t1 = now_ns()
