@@ -53,8 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", default="auto", choices=planner.RECOMPUTE_CHOICES,
                    help="activation recompute; auto = the least that fits")
     p.add_argument("--no-sp", dest="sequence_parallel", action="store_false", help="no sequence parallelism")
-    p.add_argument("--mfu", type=float, default=planner.DEFAULT_MFU,
-                   help="assumed fraction of peak FLOP/s the compute kernels reach (default 0.5)")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="price every op at this constant fraction of peak FLOP/s (default: none; compute is priced "
+                        "kernel by kernel at each mesh's per-rank shapes, labkit.theory.kernels)")
     p.add_argument("--headroom", type=float, default=m.DEFAULT_HEADROOM, help="allocator headroom fraction")
     p.add_argument("--convention", default=planner.DEFAULT_CONVENTION, choices=list(m.CONVENTIONS),
                    help=f"bytes-per-parameter convention (default {planner.DEFAULT_CONVENTION}: Megatron-LM's, "

@@ -180,7 +180,7 @@ class Plan:
                  f"seq_len={i['seq_len']}, global_batch_size={i['global_batch_size']} sequences; "
                  f"{self.n_enumerated} meshes enumerated, {self.n_scored} scored, {len(self.candidates)} fit, "
                  f"{len(self.rejected)} rejected",
-                 f"assumed: MFU of compute kernels {i['mfu']:.0%}, ZeRO-{i['zero']}, bytes: convention "
+                 f"assumed: compute {_compute_text(i['mfu'])}, ZeRO-{i['zero']}, bytes: convention "
                  f"{i['convention']}, activations {i['activations']}, headroom {i['headroom']:.0%}, "
                  f"{a['device_bytes'] / mem.GiB:.2f} GiB usable per GPU (program-visible; data/hardware.yaml), "
                  f"bf16, schedules {', '.join(i['schedules'])} (v <= {i['max_vpp']}), "
@@ -221,7 +221,7 @@ class _Setup:
     zero: int
     tries: tuple
     sequence_parallel: bool
-    mfu: float
+    mfu: float | None
     headroom: float
     convention: str
     activations: str
@@ -266,38 +266,40 @@ def score_mesh(st: _Setup, dims: ParallelDims, mbs: int, *, schedules=None, reco
     par = mem.ParallelConfig(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, zero=st.zero,
                              sequence_parallel=st.sequence_parallel and dims.tp > 1, layers_per_stage=split)
     cap = st.topo.memory_bytes
-    fitting, peaks = [], []
     tries = recompute_tries or st.tries
-    for r in tries:
+    best, closest = None, None
+    for r in tries:  # recompute and schedule chosen jointly: the fastest fitting pair, not the least recompute
         train = mem.TrainConfig(micro_batch_size=mbs, seq_len=st.seq_len, n_microbatches=m, recompute=r,
                                 attention="flash", convention=st.convention, activation_model=st.activations)
         if r == "selective" and "none" in tries and _selective_saves_nothing(spec, train, par):
-            continue  # the same bytes as "none", which did not fit: selective cannot either
+            continue  # the same bytes as "none" and more compute: never faster
         peaks = mem.train_peaks(spec, par, train, opts, headroom=st.headroom,
                                 workspace_bytes=mem.DEFAULT_GPU_WORKSPACE_BYTES)
         fitting = [(o, pk) for o, pk in zip(opts, peaks, strict=True) if pk[0] <= cap]
-        if fitting:
-            break
-    cand.recompute = r
-    if not fitting:
-        (sched, v), (peak, stage, _) = min(zip(opts, peaks, strict=True), key=lambda x: x[1][0])
+        if not fitting:
+            low = min(zip(opts, peaks, strict=True), key=lambda x: x[1][0])
+            if closest is None or low[1][0] < closest[1][1][0]:
+                closest = (r, low)
+            continue
+        base = _step_base(spec, dims, st.topo, seq_len=st.seq_len, global_batch_size=st.global_batch_size,
+                          micro_batch_size=mbs, recompute=r, sequence_parallel=st.sequence_parallel, mfu=st.mfu,
+                          act_bytes=2, split=split)
+        for (sched, v), (peak, stage, n_local) in fitting:
+            t = _step_with(base, dims, st.topo, sched, v, st.zero, n_local, st.grad_bytes, st.param_bytes)
+            key = (t["step_time_s"], peak)
+            if best is None or key < best[0]:
+                best = (key, t, sched, v, peak, stage, r)
+    if best is None:
+        r, ((sched, v), (peak, stage, _)) = closest
+        cand.recompute = r
         cand.schedule, cand.vpp, cand.peak_bytes_per_gpu, cand.peak_stage = sched, v, peak, stage
         short = (peak - cap) / mem.GiB
         cand.rules = ["memory"]
-        cand.reason = (f"[memory] does not fit even with recompute={r}: peak {peak / mem.GiB:.1f} GiB per GPU "
-                       f"(stage {stage}, {cand.schedule_text()}) > {cap / mem.GiB:.1f} GiB usable (short "
-                       f"{short:.2f} GiB)")
+        cand.reason = (f"[memory] does not fit even with recompute={tries[-1]}: least peak "
+                       f"{peak / mem.GiB:.1f} GiB per GPU (recompute={r}, stage {stage}, {cand.schedule_text()}) > "
+                       f"{cap / mem.GiB:.1f} GiB usable (short {short:.2f} GiB)")
         return cand
-    base = _step_base(spec, dims, st.topo, seq_len=st.seq_len, global_batch_size=st.global_batch_size,
-                      micro_batch_size=mbs, recompute=r, sequence_parallel=st.sequence_parallel, mfu=st.mfu,
-                      act_bytes=2, split=split)
-    best = None
-    for (sched, v), (peak, stage, n_local) in fitting:
-        t = _step_with(base, dims, st.topo, sched, v, st.zero, n_local, st.grad_bytes, st.param_bytes)
-        key = (t["step_time_s"], peak)
-        if best is None or key < best[0]:
-            best = (key, t, sched, v, peak, stage)
-    _, t, cand.schedule, cand.vpp, cand.peak_bytes_per_gpu, cand.peak_stage = best
+    _, t, cand.schedule, cand.vpp, cand.peak_bytes_per_gpu, cand.peak_stage, cand.recompute = best
     cand.fits = True
     cand.step_time_s, cand.predicted_mfu, cand.tokens_per_s = t["step_time_s"], t["predicted_mfu"], t["tokens_per_s"]
     cand.predicted_hfu = t["predicted_hfu"]
@@ -306,6 +308,13 @@ def score_mesh(st: _Setup, dims: ParallelDims, mbs: int, *, schedules=None, reco
     dom = max((k for k in TIME_PARTS if k != "compute_s"), key=lambda k: cand.parts[k])
     cand.dominant = f"{part_name(cand, dom)} {cand.parts[dom] / cand.step_time_s:.0%} of the step"
     return cand
+
+
+def _compute_text(mfu) -> str:
+    """How compute is priced, for the plan's header line."""
+    if mfu is None:
+        return "priced kernel by kernel at each mesh's per-rank shapes (labkit.theory.kernels)"
+    return f"constant efficiency: every op at {mfu:.0%} of peak"
 
 
 def _selective_saves_nothing(spec: ModelSpec, train, par) -> bool:
@@ -323,7 +332,7 @@ def _selective_saves_nothing(spec: ModelSpec, train, par) -> bool:
 
 def _setup(model, *, gpus, global_batch_size, seq_len, gpu, gpus_per_node, micro_batch_sizes, zero, recompute,
            sequence_parallel, mfu, inter_link, headroom, convention, activations, max_tp, schedules, max_vpp,
-           nics_per_node, layers_per_stage, first_stage_layers, last_stage_layers):
+           nics_per_node, layers_per_stage, first_stage_layers, last_stage_layers, sustained=None):
     """Validate :func:`plan`'s inputs (bounded: magnitudes first) and build the shared setup."""
     spec = model if isinstance(model, ModelSpec) else get_spec(model)
     mem.check_spec_bounds(spec)
@@ -332,14 +341,15 @@ def _setup(model, *, gpus, global_batch_size, seq_len, gpu, gpus_per_node, micro
     seq_len = mem.bounded_int("seq_len", seq_len, mem.MAX_SEQ_LEN, what="tokens per sequence")
     if max_tp is not None:
         max_tp = positive_int("max_tp", max_tp)
-    topo = Topology.of(gpu, gpus_per_node, inter_link, nics_per_node)
+    topo = Topology.of(gpu, gpus_per_node, inter_link, nics_per_node, sustained)
     topo.check_whole_nodes(gpus)
     check_choice("recompute", recompute, RECOMPUTE_CHOICES)
     check_choice("zero", zero, (0, 1, 2, 3))
     headroom = mem.check_headroom(headroom)
-    mfu = positive_float("mfu", mfu)
-    if mfu > 1:
-        raise ValueError(f"mfu={mfu} must be a fraction of peak in (0, 1]")
+    if mfu is not None:
+        mfu = positive_float("mfu", mfu)
+        if mfu > 1:
+            raise ValueError(f"mfu={mfu} must be a fraction of peak in (0, 1]")
     mbs_list = sorted({mem.bounded_int("micro_batch_size", x, mem.MAX_BATCH) for x in micro_batch_sizes})
     if not mbs_list:
         raise ValueError("micro_batch_sizes is empty; give at least one, e.g. (1,)")
@@ -368,11 +378,12 @@ def _setup(model, *, gpus, global_batch_size, seq_len, gpu, gpus_per_node, micro
 
 def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: str = "h100-80gb",
          gpus_per_node: int = 8, micro_batch_sizes=(1,), zero: int = 1, recompute: str = "auto",
-         sequence_parallel: bool = True, mfu: float = DEFAULT_MFU, inter_link: str = DEFAULT_INTER_LINK,
+         sequence_parallel: bool = True, mfu: float | None = None, inter_link: str = DEFAULT_INTER_LINK,
          headroom: float = mem.DEFAULT_HEADROOM, convention: str = DEFAULT_CONVENTION,
          activations: str = DEFAULT_ACTIVATIONS, max_tp: int | None = None, ep_choices=None,
          schedules=SCHEDULE_CHOICES, max_vpp: int = MAX_VPP, nics_per_node: int | None = None,
-         layers_per_stage=None, first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> Plan:
+         layers_per_stage=None, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+         sustained: float | None = None) -> Plan:
     """Enumerate, validate, estimate and rank every mesh of ``gpus`` GPUs for training ``model``.
 
     Args:
@@ -384,7 +395,9 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
         micro_batch_sizes: micro-batch sizes to try for every mesh.
         zero: ZeRO stage over dp·cp (1 = Megatron's distributed optimizer). recompute: ``auto`` (least that
             fits) or one of none / selective / full. sequence_parallel: with tp > 1.
-        mfu: assumed fraction of peak FLOP/s reached by compute kernels (:func:`step_time`).
+        mfu: None (default): compute priced kernel by kernel at each mesh's per-rank shapes
+            (:mod:`labkit.theory.kernels`); a number: the constant-efficiency model, every op at that fraction of
+            the peak (:func:`step_time`).
         headroom: allocator headroom for the memory verdict. convention / activations: the calculator's
             bytes-per-parameter convention and activation model (defaults :data:`DEFAULT_CONVENTION`,
             :data:`DEFAULT_ACTIVATIONS`: Megatron-LM's, see there).
@@ -392,6 +405,8 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
         layers_per_stage: a fixed stage split (only meshes with pp = its length are then scored), or
             first_stage_layers / last_stage_layers (Megatron's options; the other stages split the rest evenly);
             default: derived per pp (:func:`labkit.theory.memory.split_layers`).
+        sustained: the fraction of the kernel benchmarks' rate a training run sustains (None: the value fitted on
+            the calibration rows, :func:`labkit.theory.steptime.sustained_fraction`).
         max_tp: cap on tp (default None: no cap; an integer >= 1 otherwise). ep_choices: expert-parallel
             degrees to try for MoE models (default: every divisor of n_experts).
 
@@ -405,7 +420,8 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
         micro_batch_sizes=micro_batch_sizes, zero=zero, recompute=recompute, sequence_parallel=sequence_parallel,
         mfu=mfu, inter_link=inter_link, headroom=headroom, convention=convention, activations=activations,
         max_tp=max_tp, schedules=schedules, max_vpp=max_vpp, nics_per_node=nics_per_node,
-        layers_per_stage=layers_per_stage, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+        layers_per_stage=layers_per_stage, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+        sustained=sustained)
     spec, topo = st.spec, st.topo
     if ep_choices is None:
         ep_choices = [d for d in range(1, spec.n_experts + 1) if spec.n_experts % d == 0] if spec.is_moe else [1]

@@ -9,7 +9,8 @@ import functools
 from dataclasses import dataclass, replace
 
 from labkit.checks import check_choice
-from labkit.theory import costmodel
+from labkit.theory import costmodel, layercost
+from labkit.theory import kernels as kmodel
 from labkit.theory import memory as mem
 from labkit.theory.mesh import DEFAULT_ORDER, ParallelDims, dim_placement
 from labkit.theory.spec import ModelSpec, flops_per_token
@@ -20,8 +21,24 @@ SCHEDULE_CHOICES = ("1f1b", "interleaved", "zb-h1")
 MAX_VPP = 8
 #: the parts of a predicted step, in the order they stack
 TIME_PARTS = ("compute_s", "bubble_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s")
+#: the constant-efficiency model's fraction of peak (``mfu=DEFAULT_MFU``: every op at 50 %, the lab's model
+#: before the kernel model; kept as the mutation the validation must reject). The default is ``mfu=None``:
+#: compute priced kernel by kernel (:mod:`labkit.theory.layercost`).
 DEFAULT_MFU = 0.5
 DEFAULT_INTER_LINK = "ib-ndr"
+
+
+@functools.lru_cache(maxsize=16)
+def sustained_fraction(gpu: str) -> float:
+    """The fitted fraction of the kernel benchmarks' rate (MAMF GEMMs, FlashAttention) that a long training run
+    sustains on ``gpu`` (clocks under the power limit, communication kernels sharing the SMs, what the
+    per-kernel model leaves out): ``fitted.sustained_fraction.value[gpu]`` of
+    data/reference/published/validation.yaml, fitted by :func:`labkit.theory.published.fit_sustained` on the
+    rows whose ``role`` is ``calibration`` only (1.0 for a GPU without calibration rows)."""
+    from labkit.theory.published import validation_spec
+
+    fit = (validation_spec().get("fitted") or {}).get("sustained_fraction") or {}
+    return float((fit.get("value") or {}).get(gpu, 1.0))
 
 
 def plannable_gpus() -> list[str]:
@@ -66,18 +83,32 @@ class Topology:
     base_latency_s: float
     nics_per_node: int = 8
     device_bytes: int = 0
+    memory_gbps: float = 0.0
+    kernels: kmodel.KernelParams | None = None
+
+    @property
+    def kernel_device(self) -> tuple:
+        """(peak FLOP/s, memory GB/s, KernelParams): what :mod:`labkit.theory.layercost` prices kernels with."""
+        return (self.peak_flops, self.memory_gbps, self.kernels or kmodel.KernelParams())
 
     @classmethod
     def of(cls, gpu: str, gpus_per_node: int = 8, inter: str = DEFAULT_INTER_LINK,
-           nics_per_node: int | None = None) -> Topology:
+           nics_per_node: int | None = None, sustained: float | None = None) -> Topology:
         """The topology of ``gpu`` (a name of :func:`plannable_gpus`); ``nics_per_node`` None -> one per GPU.
+        ``sustained``: the fraction of the kernels' benchmark rate (GEMM and attention efficiency) a training
+        run sustains; None = the value fitted on the calibration rows (:func:`sustained_fraction`).
         Raises ValueError for an unknown GPU or link, or a count < 1 (or above :data:`mem.MAX_DEGREE`)."""
         d = _gpu(gpu)
+        f = sustained_fraction(gpu) if sustained is None else float(sustained)
+        if not 0 < f <= 1:
+            raise ValueError(f"sustained={sustained!r} must be a fraction in (0, 1]")
+        kp = kmodel.kernel_params(gpu)
+        kp = kp.replace(gemm_efficiency=kp.gemm_efficiency * f, attention_efficiency=kp.attention_efficiency * f)
         g = mem.bounded_int("gpus_per_node", gpus_per_node, mem.MAX_DEGREE)
         nics = g if nics_per_node is None else mem.bounded_int("nics_per_node", nics_per_node, mem.MAX_DEGREE)
         return cls(gpu, g, costmodel.get_link(d["nvlink"]), costmodel.get_link(inter),
                    float(d["peak_bf16_tflops"]) * 1e12, mem.usable_bytes(d), costmodel.base_latency_s("ring"), nics,
-                   int(d["memory_bytes"]))
+                   int(d["memory_bytes"]), float(d.get("hbm_gbps", d.get("memory_gbps", 0.0))), kp)
 
     def check_whole_nodes(self, gpus: int, name: str = "gpus") -> None:
         """Raise ValueError (naming ``name``) unless ``gpus`` fills whole nodes of ``gpus_per_node`` (or fits
@@ -193,7 +224,7 @@ def stage_imbalance(spec: ModelSpec, seq_len: int, layers_per_stage, recompute: 
 
 def step_time(spec: ModelSpec, dims: ParallelDims, topo: Topology, *, seq_len: int, global_batch_size: int,
               micro_batch_size: int = 1, recompute: str = "none", zero: int = 1, sequence_parallel: bool = True,
-              mfu: float = DEFAULT_MFU, n_params_local: int | None = None, grad_bytes: float = 2.0,
+              mfu: float | None = None, n_params_local: int | None = None, grad_bytes: float = 2.0,
               param_bytes: float = 2.0, act_bytes: int = 2, schedule: str = "1f1b", vpp: int = 1,
               layers_per_stage=None) -> dict:
     """Predicted seconds of one training step, by part (all *predicted*), for the mesh ``dims`` on ``topo``
@@ -204,11 +235,14 @@ def step_time(spec: ModelSpec, dims: ParallelDims, topo: Topology, *, seq_len: i
     h = hidden_size, e = ``act_bytes``, L_max = the most layers on one stage, and ``coll(op, S, group)`` the
     time of :meth:`Topology.collective_s` (hierarchical across nodes; Thakur et al. 2005) on that group:
 
-    * ``compute_s`` = F / (gpus · peak · mfu) · imbalance, F = flops_per_token(s) · global_batch_size · s (PaLM,
-      App. B), plus one more forward of the layers with full recompute (F/3) or of the attention core with
-      selective recompute (4·L·a·d·s per token; Korthikanti et al. 2022, Sec. 5); imbalance =
-      :func:`stage_imbalance` (the slowest stage sets the pace). ``mfu`` is the assumed fraction of peak that
-      compute kernels reach; the *predicted* end-to-end MFU (``predicted_mfu``) is lower.
+    * ``compute_s`` (``mfu=None``, the default) = m · (the slowest stage's seconds of one micro-batch) + one
+      optimizer step, every kernel priced at the mesh's per-rank shapes (:func:`labkit.theory.layercost.
+      microbatch_costs`, :func:`~labkit.theory.layercost.stage_seconds`, :mod:`labkit.theory.kernels`: GEMMs
+      with tile and wave quantisation, flash attention, memory-bound kernels; recompute included). With a number
+      ``mfu`` (the constant-efficiency model, every op at that fraction of peak): F / (gpus · peak · mfu) ·
+      imbalance, F = flops_per_token(s) · global_batch_size · s (PaLM, App. B), plus one more forward of the
+      layers with full recompute (F/3) or of the attention core with selective recompute (4·L·a·d·s per token;
+      Korthikanti et al. 2022, Sec. 5); imbalance = :func:`stage_imbalance`.
     * ``bubble_s`` = compute_s · (pp - 1)/m · :func:`bubble_factor` (1F1B 1, interleaved 1/v, ZB-H1 1/3).
     * ``tp_s`` = m · L_max · k · coll(all_reduce, b·s/cp·h·e, tp): k = 4 all-reduces per layer (two forward, two
       backward; Shoeybi et al. 2019, Sec. 3), 6 with full recompute; with sequence parallelism each all-reduce
@@ -261,8 +295,15 @@ def _step_base(spec, dims, topo, *, seq_len, global_batch_size, micro_batch_size
     elif recompute == "selective":
         extra = 4 * L * spec.n_heads * spec.head_dim * s * tokens
     peak = topo.peak_flops
-    imbalance = stage_imbalance(spec, s, split, recompute)
-    compute = (f_model + extra) / (gpus * peak * mfu) * imbalance
+    if mfu is None:  # priced kernel by kernel at this mesh's per-rank shapes
+        costs = layercost.microbatch_costs(spec, topo.kernel_device, b, s, dims.tp, dims.cp, dims.ep,
+                                           bool(sequence_parallel and dims.tp > 1), act_bytes)
+        stages = layercost.stage_seconds(spec, costs, split, recompute)
+        imbalance = max(stages) / (sum(stages) / len(stages))
+        compute = m * max(stages)
+    else:
+        imbalance = stage_imbalance(spec, s, split, recompute)
+        compute = (f_model + extra) / (gpus * peak * mfu) * imbalance
     layers = max(split)
     local_tokens = b * s // dims.cp
     stride = {d: dims.stride(d) for d in ("tp", "cp", "dp", "pp")}
@@ -283,6 +324,7 @@ def _step_base(spec, dims, topo, *, seq_len, global_batch_size, micro_batch_size
              "dp": topo.link_of(dims.dp * dims.cp, stride["cp"]), "pp": topo.link_of(dims.pp, stride["pp"]),
              "ep": topo.link_of(dims.ep, stride["cp"])}
     return {"compute_s": compute, "tp_s": tp_s, "cp_s": cp_s, "ep_s": ep_s, "one_send_s": one_send, "m": m,
+            "kernel_model": mfu is None,
             "f_model": f_model, "extra": extra, "tokens": tokens, "gpus": gpus, "peak": peak, "links": links,
             "imbalance": imbalance, "split": split, "stride_cp": stride["cp"]}
 
@@ -290,6 +332,8 @@ def _step_base(spec, dims, topo, *, seq_len, global_batch_size, micro_batch_size
 def _step_with(base, dims, topo, schedule, vpp, zero, n_local, grad_bytes, param_bytes) -> dict:
     m, compute = base["m"], base["compute_s"]
     bubble = compute * (dims.pp - 1) / m * bubble_factor(schedule, vpp) if dims.pp > 1 else 0.0
+    if base.get("kernel_model"):  # one optimizer step over the rank's (ZeRO-sharded) parameters
+        compute += layercost.optimizer_seconds(n_local, dims.dp * dims.cp if zero >= 1 else 1, topo.kernel_device)
     pp_s = p2p_count(schedule, dims.pp, m, vpp) * base["one_send_s"]
     dpc, dp_stride = dims.dp * dims.cp, base["stride_cp"]  # the dp*cp ranks holding one dense shard
     gather = topo.collective_s("all_gather", n_local * param_bytes, dpc, dp_stride)
