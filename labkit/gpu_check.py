@@ -1,23 +1,30 @@
 """``make gpu-check`` / ``python3 -m labkit.gpu_check``: the GPU code paths, on one real GPU, against the datasheet.
 
-Runs in a few minutes on one GPU with nothing but that machine's own ``python3`` and CUDA torch (>= 2.6), no
-plotly, papermill, ipywidgets or pandas (``PYTHONPATH=. python3 -m labkit.gpu_check``):
+Runs in a few minutes on one GPU with nothing but that machine's own ``python3`` and CUDA torch (>= 2.6): no
+PyYAML (the data files are read by :mod:`labkit.yamlload`'s own reader where ``import yaml`` fails), plotly,
+papermill, ipywidgets or pandas (``PYTHONPATH=. python3 -m labkit.gpu_check --out run.json``). Its stages:
 
-1. NCCL at world size 1 (a real process group, ``init_method`` on 127.0.0.1): every collective the lab uses
-   (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, broadcast, barrier), values
-   checked, each timed with CUDA events;
-2. CUDA-event timing against wall-clock timing (synchronised ``perf_counter``) of the same matmuls;
-3. a real-size model slice — ``--layers`` layers of Llama-3-8B's shape in bf16 (the lab's own transformer,
-   embeddings and head included), one AdamW training step: parameter, gradient and optimizer bytes counted
-   tensor by tensor and ``torch.cuda.max_memory_allocated`` of the step, beside
+1. ``collectives`` — NCCL at world size 1 (a real process group, ``init_method`` on 127.0.0.1): every
+   collective the lab uses (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single,
+   broadcast, barrier), values checked, each timed with CUDA events;
+2. ``matmul`` — CUDA-event timing against wall-clock timing (synchronised ``perf_counter``) of the same matmuls;
+3. ``model_slice`` — a real-size model slice: ``--layers`` layers of Llama-3-8B's shape in bf16 (the lab's own
+   transformer, embeddings and head included), one AdamW training step: parameter, gradient and optimizer bytes
+   counted tensor by tensor and ``torch.cuda.max_memory_allocated`` of the step, beside
    :func:`labkit.theory.memory.train_memory` (convention ``torch-bf16``, flash attention, CUDA kernels);
-4. bf16 matmul TFLOP/s and the slice's train-step MFU against the device's dense bf16 peak from
+4. ``mfu`` — bf16 matmul TFLOP/s and the slice's train-step MFU against the device's dense bf16 peak from
    ``data/hardware.yaml`` (the datasheet, not a measurement).
 
-It writes ``data/reference/gpu_check/<UTC stamp>_<device>.json`` (format ``labkit-gpu-check/1``: identity —
-GPU, driver, torch, CUDA, NCCL, git sha — and every number above) and prints a summary. Exit status 0 when
-every check passed, 1 when one failed (wrong collective values, model-state bytes off the calculator, an MFU
-above 1), and 0 with one line ``gpu-check: skipped: ...`` where no CUDA GPU is present.
+Each stage is guarded: an exception is recorded (``stages[name]``: status, seconds, error) and the next stage
+runs. The record (format ``labkit-gpu-check/2``: identity — GPU, driver, torch, CUDA, NCCL, git sha — and every
+number above) is written to ``--out`` (a file, or a folder for ``<UTC stamp>_<device>.json``; default
+``data/reference/gpu_check/``) after every stage, so a crash or the time bound loses only the stage it was in.
+``--time-limit`` (default 900 s) bounds the whole check: past it the record says which stage ran out of time
+and the process exits 1; the process group's own timeout is the time left. Exit status: 0 when every check
+passed, 1 when one failed or a stage raised (wrong collective values, model-state bytes off the calculator, an
+MFU above 1), 2 for bad arguments, and 3 with one line ``gpu-check: skipped: <reason>`` where no CUDA GPU is
+present — 0 instead with ``--allow-skip``, so a skip never reads as a pass by accident. ``--cpu-dry-run`` runs
+the same stages on the CPU with gloo and a tiny model (tests/test_gpu_check.py): the path, not the numbers.
 """
 
 from __future__ import annotations
@@ -31,10 +38,15 @@ import platform
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
-FORMAT = "labkit-gpu-check/1"
+FORMAT = "labkit-gpu-check/2"
+STAGES = ("setup", "collectives", "matmul", "model_slice", "mfu")
+#: exit status of a skip without --allow-skip
+EXIT_SKIPPED = 3
 #: nvidia-smi / torch device names -> data/hardware.yaml device (first match wins; checked in order)
 DEVICE_NAMES = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
                 ("A100 40GB", "a100-40gb"), ("A100", "a100-80gb"), ("B200", "b200-180gb"), ("L40S", "l40s-48gb"),
@@ -106,14 +118,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_collectives(backend: str = "nccl", device: str = "cuda", nbytes: int = 64 * 2**20, iters: int = 10) -> list:
+def run_collectives(backend: str = "nccl", device: str = "cuda", nbytes: int = 64 * 2**20, iters: int = 10,
+                    timeout_s: float = 300.0) -> list:
     """Every collective once for its values, then timed: one row per op {op, backend, bytes, ok, ms,
     algbw_gbps}. World size 1, so each result must equal its input (a broken backend shows up as wrong values
-    or an exception, recorded as ``ok=False`` with the error). Creates and destroys its own process group."""
+    or an exception, recorded as ``ok=False`` with the error). Creates and destroys its own process group,
+    whose collectives time out after ``timeout_s`` seconds (NCCL's default is 10 minutes)."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=max(1.0, timeout_s)))
     rows = []
     try:
         n = nbytes // 4
@@ -282,16 +297,28 @@ def identity() -> dict:
     return ident
 
 
-def write_record(result: dict, out: str | Path | None = None) -> Path:
-    """Write ``result`` as ``{"format": FORMAT, ...}`` JSON to ``out`` (default
-    ``data/reference/gpu_check/<stamp>_<device>.json``), atomically; returns the path."""
+def default_record_path(device: str | None) -> Path:
+    """``data/reference/gpu_check/<UTC stamp>_<device>.json``."""
     from labkit.paths import data_dir
 
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return data_dir() / "reference" / "gpu_check" / f"{stamp}_{device or 'unknown'}.json"
+
+
+def record_path(out: str | Path | None, device: str | None) -> Path:
+    """Where the record goes: ``out`` itself, or ``<stamp>_<device>.json`` inside ``out`` when it is a folder
+    (an existing one, or a path ending in ``/``), or :func:`default_record_path` when ``out`` is None."""
     if out is None:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-        dev = result.get("device") or "unknown"
-        out = data_dir() / "reference" / "gpu_check" / f"{stamp}_{dev}.json"
-    out = Path(out)
+        return default_record_path(device)
+    if Path(out).is_dir() or str(out).endswith(("/", os.sep)):
+        return Path(out) / default_record_path(device).name
+    return Path(out)
+
+
+def write_record(result: dict, out: str | Path | None = None) -> Path:
+    """Write ``result`` as ``{"format": FORMAT, ...}`` JSON to ``out`` (:func:`record_path`), atomically (a
+    reader never sees half a record); returns the path. Raises OSError where the folder cannot be made."""
+    out = record_path(out, result.get("device"))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps({"format": FORMAT, **result}, indent=1, default=str) + "\n")
@@ -300,8 +327,14 @@ def write_record(result: dict, out: str | Path | None = None) -> Path:
 
 
 def failures(result: dict) -> list[str]:
-    """Every failed check of a result, as one line each."""
-    bad = [f"{r['op']}: {r.get('error') or 'wrong values'}" for r in result.get("collectives", []) if not r["ok"]]
+    """Every failed check of a result, as one line each: a stage that raised or ran out of time, wrong
+    collective values, model-state bytes off the calculator, an MFU outside (0, 1]."""
+    bad = [f"stage {name} raised {st['error']}" for name, st in result.get("stages", {}).items()
+           if st.get("status") == "error"]
+    if result.get("timed_out"):
+        t = result["timed_out"]
+        bad.append(f"stage {t['stage']} still running at the time limit ({t['limit_s']:.0f} s)")
+    bad += [f"{r['op']}: {r.get('error') or 'wrong values'}" for r in result.get("collectives", []) if not r["ok"]]
     mem_rows = result.get("memory", {})
     bad += [f"{cat} bytes {v['measured_bytes']:,} vs predicted {v['predicted_bytes']:,}"
             for cat, v in mem_rows.items() if cat != "peak" and not v["ok"]]
@@ -314,15 +347,17 @@ def failures(result: dict) -> list[str]:
 
 def summary(result: dict) -> str:
     """The result as a few lines for a person."""
-    lines = [f"gpu-check on {result['identity'].get('gpu')} ({result.get('device') or 'no hardware.yaml entry'}, "
-             f"peak {result.get('peak_bf16_tflops')} TFLOP/s dense bf16 per the datasheet)"]
+    where = result.get("identity", {}).get("gpu") or ("the CPU (dry run)" if result.get("dry_run") else None)
+    lines = [f"gpu-check on {where} ({result.get('device') or 'no hardware.yaml entry'}, peak"
+             f" {result.get('peak_bf16_tflops')} TFLOP/s dense bf16 per the datasheet)"]
     for r in result.get("collectives", []):
         bw = f", {r['algbw_gbps']:.1f} GB/s algbw" if r.get("algbw_gbps") else ""
-        lines.append(f"  nccl {r['op']:<15} {'ok' if r['ok'] else 'FAILED'}"
+        lines.append(f"  {r.get('backend', 'nccl')} {r['op']:<15} {'ok' if r['ok'] else 'FAILED'}"
                      + (f"  {r['ms']:.3f} ms{bw}" if r.get("ms") is not None else f"  {r.get('error', '')}"))
     m = result.get("matmul")
     if m:
-        lines.append(f"  matmul {m['n']}^3 {m['dtype']}: {m['tflops']:.0f} TFLOP/s (CUDA events; wall clock "
+        clock = "wall clock, twice" if result.get("dry_run") else "CUDA events"
+        lines.append(f"  matmul {m['n']}^3 {m['dtype']}: {m['tflops']:.0f} TFLOP/s ({clock}; wall clock "
                      f"{m['wall_ms']:.3f} vs event {m['event_ms']:.3f} ms), MFU {result.get('matmul_mfu', 0):.1%}")
     for cat, v in result.get("memory", {}).items():
         if v.get("measured_bytes") is not None and v.get("ratio") is not None:
@@ -337,56 +372,171 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Every check on GPU 0; returns the result dict (written and printed by :func:`main`)."""
-    import torch
+class Check:
+    """One gpu-check run: the result so far, the record it is written to after every stage, the stage running
+    and the time limit (:meth:`expire` is what the watchdog calls when it passes)."""
 
-    from labkit.theory import memory as mem
-    from labkit.theory.spec import flops_per_token
+    def __init__(self, out: str | Path | None, time_limit_s: float):
+        self.result: dict = {"identity": {}, "device": None, "peak_bf16_tflops": None, "stages": {}}
+        self.out, self.path, self.stage, self.limit_s = out, None, "setup", float(time_limit_s)
+        self.t0 = time.monotonic()
+        self._lock = threading.Lock()
 
-    torch.cuda.set_device(0)
-    ident = identity()
-    device = args.device or match_device(ident.get("gpu", ""))
-    peak = mem.get_device(device).get("peak_bf16_tflops") if device else None
-    result = {"identity": ident, "device": device, "peak_bf16_tflops": peak}
-    t0 = time.perf_counter()
-    result["collectives"] = run_collectives("nccl", "cuda", nbytes=args.collective_bytes)
-    result["matmul"] = run_matmul(args.matmul_n, device="cuda")
-    spec = slice_spec(args.model, args.layers)
-    s = run_model_slice(spec, micro_batch_size=args.micro_batch, seq_len=args.seq, steps=args.steps)
-    pred = predicted_train_memory(spec, args.micro_batch, args.seq)
-    result["slice"] = {"model": args.model, "layers": args.layers, "micro_batch_size": args.micro_batch,
-                       "seq_len": args.seq, **{k: v for k, v in s.items() if k != "measured"}}
-    result["predicted_categories"] = pred
-    result["memory"] = compare_memory(s["measured"], pred, s["peak_allocated_bytes"])
-    if peak:
-        result["matmul_mfu"] = mfu(result["matmul"]["tflops"] * 1e12, peak)
-        tok_s = s["tokens_per_step"] / (s["step_ms"] / 1e3)
-        result["train_step_mfu"] = mfu(tok_s * flops_per_token(spec, args.seq), peak)
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    return result
+    def left_s(self) -> float:
+        """Seconds left before the time limit."""
+        return self.limit_s - (time.monotonic() - self.t0)
+
+    def save(self) -> Path:
+        """Write the record as it stands (the same path every time); returns it."""
+        with self._lock:
+            self.result["seconds"] = round(time.monotonic() - self.t0, 1)
+            self.path = write_record(self.result, self.path or record_path(self.out, self.result.get("device")))
+            return self.path
+
+    def stage_run(self, name: str, fn) -> bool:
+        """Run one stage: its exception (if any) recorded in ``stages[name]`` with its seconds, the record saved
+        either way. Returns whether it passed without raising."""
+        self.stage, t = name, time.monotonic()
+        try:
+            fn()
+            st = {"status": "ok"}
+        except Exception as e:  # noqa: BLE001 - a stage that raises is a result; the next stage still runs
+            st = {"status": "error", "error": f"{type(e).__name__}: {e}".splitlines()[0][:500],
+                  "traceback": traceback.format_exc(limit=-4)[-4000:]}
+        st["seconds"] = round(time.monotonic() - t, 3)
+        self.result["stages"][name] = st
+        self.save()
+        return st["status"] == "ok"
+
+    def expire(self):
+        """The time limit passed: record which stage was running, save, print one line, end the process (exit
+        1; a collective blocked in NCCL cannot be interrupted otherwise)."""
+        self.result["timed_out"] = {"stage": self.stage, "limit_s": self.limit_s}
+        try:
+            path = self.save()
+        except OSError as e:
+            path = f"not written ({e})"
+        print(f"gpu-check: FAILED: stage {self.stage} still running at the time limit ({self.limit_s:.0f} s); "
+              f"record: {path}", flush=True)
+        os._exit(1)
+
+
+def run(args: argparse.Namespace, check: Check | None = None) -> dict:
+    """Every stage (:data:`STAGES`) on GPU 0, or on the CPU with gloo for ``args.cpu_dry_run``; returns the
+    result dict, which ``check`` has written after every stage."""
+    check = check or Check(args.out, args.time_limit)
+    r = check.result
+    cpu = bool(args.cpu_dry_run)
+    device, backend, dtype = ("cpu", "gloo", "float32") if cpu else ("cuda", "nccl", "bfloat16")
+    convention, kernels = ("torch-fp32", "cpu") if cpu else ("torch-bf16", "cuda")
+    r["dry_run"] = cpu
+    spec = {}
+
+    def setup():
+        import torch
+
+        if not cpu:
+            torch.cuda.set_device(0)
+        r["identity"] = identity()
+        r["device"] = args.device or (None if cpu else match_device(r["identity"].get("gpu", "")))
+        if r["device"]:
+            from labkit.theory import memory as mem
+
+            r["peak_bf16_tflops"] = mem.get_device(r["device"]).get("peak_bf16_tflops")
+
+    def collectives():
+        r["collectives"] = run_collectives(backend, device, nbytes=args.collective_bytes,
+                                           timeout_s=min(300.0, check.left_s()))
+
+    def matmul():
+        r["matmul"] = run_matmul(args.matmul_n, device=device, dtype_name=dtype)
+
+    def model_slice():
+        spec["s"] = slice_spec(args.model, args.layers)
+        s = run_model_slice(spec["s"], micro_batch_size=args.micro_batch, seq_len=args.seq, steps=args.steps,
+                            device=device, dtype_name=dtype)
+        pred = predicted_train_memory(spec["s"], args.micro_batch, args.seq, convention=convention, kernels=kernels)
+        r["slice"] = {"model": args.model, "layers": args.layers, "micro_batch_size": args.micro_batch,
+                      "seq_len": args.seq, "dtype": dtype, **{k: v for k, v in s.items() if k != "measured"}}
+        r["predicted_categories"] = pred
+        r["memory"] = compare_memory(s["measured"], pred, s["peak_allocated_bytes"])
+
+    def mfu_stage():
+        from labkit.theory.spec import flops_per_token
+
+        peak = r.get("peak_bf16_tflops")
+        if not peak:
+            r["mfu_note"] = "no datasheet peak for this device (data/hardware.yaml): MFU not computed"
+            return
+        missing = [k for k in ("matmul", "slice") if k not in r]
+        if missing:
+            raise RuntimeError(f"needs the {' and '.join(missing)} results, whose stage failed")
+        r["matmul_mfu"] = mfu(r["matmul"]["tflops"] * 1e12, peak)
+        tok_s = r["slice"]["tokens_per_step"] / (r["slice"]["step_ms"] / 1e3)
+        r["train_step_mfu"] = mfu(tok_s * flops_per_token(spec["s"], args.seq), peak)
+
+    for name, fn in zip(STAGES, (setup, collectives, matmul, model_slice, mfu_stage)):
+        check.stage_run(name, fn)
+    return r
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, as every labkit CLI
+        print(f"gpu-check: {message} (python3 -m labkit.gpu_check --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return v
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m labkit.gpu_check", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python3 -m labkit.gpu_check", description=__doc__.splitlines()[0])
+    pos_int, pos_float = _positive(int), _positive(float)
     p.add_argument("--model", default="llama-3-8b", help="preset whose layer shape the slice uses")
-    p.add_argument("--layers", type=int, default=2, help="transformer layers in the slice (default 2)")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--steps", type=int, default=4, help="training steps, the first a warm-up (default 4)")
-    p.add_argument("--matmul-n", type=int, default=8192, help="matmul size n (default 8192)")
-    p.add_argument("--collective-bytes", type=int, default=64 * 2**20, help="bytes per collective (default 64 MiB)")
+    p.add_argument("--layers", type=pos_int, default=2, help="transformer layers in the slice (default 2)")
+    p.add_argument("--seq", type=pos_int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--micro-batch", type=pos_int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--steps", type=pos_int, default=4, help="training steps, the first a warm-up (default 4)")
+    p.add_argument("--matmul-n", type=pos_int, default=8192, help="matmul size n (default 8192)")
+    p.add_argument("--collective-bytes", type=pos_int, default=64 * 2**20,
+                   help="bytes per collective (default 64 MiB)")
     p.add_argument("--device", default=None, help="data/hardware.yaml device (default: matched from the GPU name)")
-    p.add_argument("--out", default=None, help="record path (default data/reference/gpu_check/<stamp>_<device>.json)")
+    p.add_argument("--out", default=None, help="record file, or a folder for <stamp>_<device>.json "
+                   "(default data/reference/gpu_check/); written after every stage")
+    p.add_argument("--time-limit", type=pos_float, default=900.0,
+                   help="seconds for the whole check; past it the record says where it stopped, exit 1 (default 900)")
+    p.add_argument("--allow-skip", action="store_true", help="exit 0, not 3, where no CUDA GPU is present")
+    p.add_argument("--cpu-dry-run", action="store_true",
+                   help="every stage on the CPU with gloo (the code path, not GPU numbers); use a small --model")
     args = p.parse_args(argv)
-    reason = skip_reason()
+    reason = None if args.cpu_dry_run else skip_reason()
     if reason:
-        print(f"gpu-check: skipped: {reason}")
-        return 0
-    result = run(args)
-    path = write_record(result, args.out)
+        print(f"gpu-check: skipped: {reason}"
+              + ("" if args.allow_skip else f" (exit {EXIT_SKIPPED}; --allow-skip exits 0)"))
+        if args.out:
+            write_record({"skipped": reason, "identity": {"host": socket.gethostname(),
+                                                          "python": platform.python_version()}},
+                         record_path(args.out, None))
+        return 0 if args.allow_skip else EXIT_SKIPPED
+    check = Check(args.out, args.time_limit)
+    watchdog = threading.Timer(args.time_limit, check.expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        result = run(args, check)
+    finally:
+        watchdog.cancel()
     print(summary(result))
-    print(f"record: {path}")
+    print(f"record: {check.path}")
     return 1 if failures(result) else 0
 
 
