@@ -9,7 +9,14 @@ The strategy is :mod:`labkit.parallel.tensor`, its formulas :mod:`labkit.theory.
 
 from __future__ import annotations
 
-from labkit.chapters.common import as_emulate, check_fits_in_memory, check_prediction, check_steps, check_world_size
+from labkit.chapters.common import (
+    as_emulate,
+    check_fits_in_memory,
+    check_prediction,
+    check_steps,
+    check_world_size,
+    span,
+)
 from labkit.checks import positive_float, positive_int
 from labkit.experiments.tensor import (
     COMM_RUNS,
@@ -393,8 +400,10 @@ def wire_findings(wire) -> str:
     r = wire.set_index("variant")["measured / gloo model"].dropna()
     if r.empty:
         return "No socket bytes were measured on this backend (gloo only)."
-    return (f"What left each rank's sockets is {r.min():.2f}-{r.max():.2f}x gloo's algorithm model "
-            f"(lowest: {r.idxmin()}, highest: {r.idxmax()}): "
+    which = ("every variant" if span(r.min(), r.max()) == span(r.min(), r.min()) else
+             f"lowest: {r.idxmin()}, highest: {r.idxmax()}")
+    return (f"What left each rank's sockets is {span(r.min(), r.max(), unit='x')} gloo's algorithm model "
+            f"({which}): "
             + ("the excess is message headers, a larger share the smaller each message." if r.min() >= 1 else
                "below the model: some bytes did not go through the measured sockets."))
 

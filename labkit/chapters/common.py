@@ -181,3 +181,10 @@ def charged_emulation_plan(emulate, emulated_ranks, *, charge_as: str, charged_s
             "micro_batch_size": 1, "lab_model": model, "lab_seq_len": lab_seq_len, "lab_micro_batch_size": 1}
     resolve(plan, n)
     return plan
+
+
+def span(lo: float, hi: float, fmt: str = ".2f", unit: str = "") -> str:
+    """A range as a sentence states it: ``"1.08-1.09x"``, or one number (``"1.08x"``) when both ends print the
+    same at ``fmt`` — a sentence never says "1.08-1.08x". ``unit`` follows the number(s)."""
+    a, b = format(lo, fmt), format(hi, fmt)
+    return f"{a}{unit}" if a == b else f"{a}-{b}{unit}"
