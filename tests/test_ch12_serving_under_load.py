@@ -73,3 +73,16 @@ def test_ttft_growth_fails_when_the_rate_does_not_slow_the_first_token():
     assert faster == 0.0 and not faster > ch.TTFT_GROWTH_MIN
     with pytest.raises(ValueError, match="no ok sweep request at rate 30.0"):
         ch.ttft_growth(_sweep_records(same, same), "tp", 10.0, 30.0)
+
+
+def test_the_queue_sentence_says_the_direction_its_number_has():
+    """"the queue grew by 0.2 and -6.7 requests/s": a signed growth is worded by its sign."""
+    knee = pd.DataFrame({"mode": ["tp"], "knee_measured_rps": [10.0], "knee_predicted_rps": [9.0],
+                         "knee_forecast_rps": [9.0], "measured_over_predicted": [1.1], "measured_over_forecast": [1.1]})
+    sweep = pd.DataFrame({"mode": ["tp", "tp"], "rate_rps": [4.0, 20.0], "ttft_p95_s": [0.1, 1.0],
+                          "queue_growth_rps": [0.1, -6.7]})
+    text = " ".join(ch.knee_findings(knee, sweep))
+    assert "stayed level (+0.1 requests/s) at the lowest rate" in text and "shrank by 6.7 requests/s" in text
+    assert "grew by -" not in text
+    sweep["queue_growth_rps"] = [0.1, 6.7]
+    assert "grew by 6.7 requests/s at the highest" in " ".join(ch.knee_findings(knee, sweep))

@@ -190,6 +190,16 @@ def nothing_lost(records: pd.DataFrame, n_requests: int) -> dict:
             "retried": int((records["attempt"] > 1).sum()), "lost": bad}
 
 
+def _queue_trend(growth_rps: float, rate_rps: float) -> str:
+    """A queue's measured growth rate (requests/s, signed) in words whose direction is the number's: "grew by
+    X requests/s", "shrank by X requests/s" (negative: it drained), or "stayed level (X requests/s)" when
+    the absolute value is under 5 % of the offered ``rate_rps`` — never "grew by -6.7"."""
+    g = float(growth_rps)
+    if abs(g) < 0.05 * max(float(rate_rps), 1e-9):
+        return f"stayed level ({g:+.1f} requests/s)"
+    return f"grew by {g:.1f} requests/s" if g > 0 else f"shrank by {-g:.1f} requests/s"
+
+
 def knee_findings(knee: pd.DataFrame, sweep: pd.DataFrame) -> list[str]:
     """Per mode: the knee measured, predicted (on the saturated forward passes) and forecast (on unloaded
     step costs), and what TTFT p95 and the queue did from the lowest to the highest offered rate. Every
@@ -206,8 +216,9 @@ def knee_findings(knee: pd.DataFrame, sweep: pd.DataFrame) -> list[str]:
                    f"stretches ({k['measured_over_predicted']:.2f}x), forecast {k['knee_forecast_rps']:.1f} req/s from "
                    f"step costs measured unloaded before each run ({k['measured_over_forecast']:.2f}x); from "
                    f"{lo['rate_rps']:.1f} to {hi['rate_rps']:.1f} req/s offered, TTFT p95 went from "
-                   f"{lo['ttft_p95_s'] * 1e3:.0f} to {hi['ttft_p95_s'] * 1e3:.0f} ms and the queue grew by "
-                   f"{lo['queue_growth_rps']:.1f} and {hi['queue_growth_rps']:.1f} requests/s (measured).")
+                   f"{lo['ttft_p95_s'] * 1e3:.0f} to {hi['ttft_p95_s'] * 1e3:.0f} ms; the queue "
+                   f"{_queue_trend(lo['queue_growth_rps'], lo['rate_rps'])} at the lowest rate and "
+                   f"{_queue_trend(hi['queue_growth_rps'], hi['rate_rps'])} at the highest (measured).")
     if set(knee["mode"]) >= {"replicas", "tp"}:
         r = knee.set_index("mode")["knee_measured_rps"]
         better = "replicas" if r["replicas"] > r["tp"] else "tp"
