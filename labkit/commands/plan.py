@@ -7,6 +7,7 @@ Examples (--all: every ranked and rejected mesh, in the table or with --json)::
     labkit plan --model mixtral-8x7b --gpus 64 --seq 4096 --global-batch 256 --micro-batch 1,2 --zero 1
     labkit plan --model llama-3.1-405b --gpus 16384 --seq 8192 --global-batch 2048 --schedules 1f1b,interleaved
     labkit plan --validate            # the planner and the calculator against published training runs (table)
+    labkit plan --validate my_runs.csv --json   # the same for your own cluster's runs (training.csv's schema)
 
 Pure prediction (labkit.theory.planner): no torch import. Bad input (an unknown model or GPU, a world that is not a
 whole number of nodes, a model that fits on no mesh) is one line on stderr and exit status 2.
@@ -72,9 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a fixed stage split, e.g. 7,8,...,8,7 (only meshes with pp = its length are scored)")
     p.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first pipeline stage")
     p.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last pipeline stage")
-    p.add_argument("--validate", action="store_true",
-                   help="print the published-runs validation table (data/reference/published/training.csv): for each "
-                        "run, accepted, fits, planner rank, predicted vs published MFU")
+    p.add_argument("--validate", nargs="?", const=True, default=False, metavar="FILE",
+                   help="print the published-runs validation table (data/reference/published/training.csv, or FILE: "
+                        "a CSV in its schema, the model by preset name or by the columns layers, hidden, heads, "
+                        "kv_heads, ffn, vocab, experts, top_k): each run's published, predicted and ratio MFU, the "
+                        "published mesh's rank and its step time against the top pick's, then the goals")
     p.add_argument("--max-tp", type=int, default=None, help="largest tp to consider (>= 1; default: no cap)")
     p.add_argument("--top", type=int, default=10, help="ranked meshes to show (>= 1, default 10)")
     p.add_argument("--rejected", type=int, default=10,
@@ -100,8 +103,15 @@ def run(args) -> int:
                              "--validate (each published run is planned at its own model, GPUs and batch); "
                              "--validate takes --mfu, --convention, --activations, --headroom and --json")
 
+        path = None if args.validate is True else args.validate
+        if path is not None:
+            from pathlib import Path
+
+            if not Path(path).is_file():
+                raise ValueError(f"--validate {path!r}: no such file; give a CSV in the schema of "
+                                 "data/reference/published/training.csv (see its README.md)")
         rows = validate_published(mfu=args.mfu, convention=args.convention, activations=args.activations,
-                                  headroom=args.headroom)
+                                  headroom=args.headroom, path=path)
         if args.json:
             print(json.dumps(rows, indent=2, default=str))
         else:

@@ -141,9 +141,11 @@ def validate_published(*, mfu: float | None = None, convention: str | None = Non
 
     convention = convention or planner.DEFAULT_CONVENTION
     activations = activations or planner.DEFAULT_ACTIVATIONS
+    from labkit.theory.steptime import mutation_key
+
     rows = _validate_cached(None if mfu is None else float(mfu), convention, activations, float(headroom),
                             str(path) if path else None, None if sustained is None else float(sustained), bool(rank),
-                            tuple(roles) if roles else None)
+                            tuple(roles) if roles else None, mutation_key())
     return copy.deepcopy(list(rows))
 
 
@@ -182,7 +184,8 @@ def _entry_for(row: dict, spec_file: dict, user: bool) -> dict | None:
 
 
 @functools.lru_cache(maxsize=32)
-def _validate_cached(mfu, convention, activations, headroom, path, sustained, rank, roles) -> tuple[dict, ...]:
+def _validate_cached(mfu, convention, activations, headroom, path, sustained, rank, roles, _mutation=()
+                     ) -> tuple[dict, ...]:
     runs = load_training_runs(path)
     spec_file = validation_spec()
     out = []
@@ -194,8 +197,8 @@ def _validate_cached(mfu, convention, activations, headroom, path, sustained, ra
         if entry is None:
             why = next((s["why"] for s in spec_file.get("skip", []) if _matches(row, s["match"])),
                        "no entry in data/reference/published/validation.yaml")
-            out.append({"source": row["source"], "url": row["url"], "model": row["model"], "gpus": _int(row, "gpus"),
-                        "role": role, "skipped": why})
+            out.append({"source": row.get("source", ""), "url": row.get("url", ""), "model": row.get("model", ""),
+                        "gpus": _int(row, "gpus"), "role": role, "skipped": why})
             continue
         res = _validate_row(row, entry, mfu=mfu, convention=convention, activations=activations,
                             headroom=headroom, sustained=sustained, rank=rank)
@@ -238,7 +241,8 @@ def _validate_row(row, entry, *, mfu, convention, activations, headroom, sustain
     pub_mfu = _float(row, "mfu")
     if pub_mfu is None and _float(row, "tflops_per_gpu") is not None:
         pub_mfu = _float(row, "tflops_per_gpu") / peak
-    res = {"source": row["source"], "url": row["url"], "model": row["model"], "preset": entry["preset"],
+    res = {"source": row.get("source", ""), "url": row.get("url", ""), "model": row.get("model", ""),
+           "preset": entry["preset"],
            "gpus": gpus, "gpu": entry["gpu"], "tp": tp, "pp": pp, "dp": dp, "cp": cp, "seq_len": seq,
            "global_batch_size": gbs, "flops": entry["flops"], "published_mfu": pub_mfu,
            "published_tflops": _float(row, "tflops_per_gpu"), "note": entry.get("note", ""),
@@ -353,29 +357,79 @@ def fit_sustained(*, path: str | Path | None = None, lo: float = 0.40, hi: float
 
 
 def validation_table(rows: list[dict] | None = None) -> str:
-    """The rows of :func:`validate_published` as aligned text, then the skipped rows with their reasons."""
+    """The rows of :func:`validate_published` as aligned text (role, mesh, the source's schedule and recompute,
+    predicted and published MFU, ratio, the published configuration's rank among the planner's meshes and its
+    step time over the top pick's), then the goals (:func:`training_goals`) and the skipped rows."""
     rows = validate_published() if rows is None else rows
     lines = ["PREDICTED vs PUBLISHED training runs (published: data/reference/published/training.csv; predicted: "
-             "labkit.theory.planner with its default assumptions)",
-             f"{'model':<18} {'GPUs':>6} {'mesh tp/pp/dp/cp':>17} {'acc':>4} {'fits':>5} {'peak GiB':>8} "
-             f"{'split':>10} {'schedule':>14} {'recomp':>9} {'rank':>9} {'MFU pred':>8} {'MFU pub':>7} {'ratio':>6}"
-             "  FLOPs counted"]
+             "labkit.theory.planner, compute priced kernel by kernel, one fitted parameter per GPU: "
+             "calibration rows fit it, validation rows never do)",
+             f"{'model':<18} {'role':<5} {'GPUs':>6} {'tp/pp/dp/cp':>12} {'fits':>5} {'peak GiB':>8} "
+             f"{'schedule':>14} {'recomp':>9} {'MFU pred':>8} {'MFU pub':>7} {'ratio':>6} {'rank':>8} "
+             f"{'vs #1':>6} {'same-settings':>13}  FLOPs counted"]
     for r in rows:
         if r.get("skipped"):
             continue
         mesh = f"{r['tp']}/{r['pp']}/{r['dp']}/{r['cp']}"
+        role = r.get("role", "")[:5]
         if not r["accepted"]:
-            lines.append(f"{r['model']:<18} {r['gpus']:>6} {mesh:>17} {'no':>4}  {r['error']}")
+            lines.append(f"{r['model']:<18} {role:<5} {r['gpus']:>6} {mesh:>12}  not accepted: {r['error']}")
             continue
-        rank = f"{r['planner_rank']}/{r['n_ranked']}" if r.get("planner_rank") else "rejected"
+        rank = f"{r['planner_rank']}/{r['n_ranked']}" if r.get("planner_rank") else "-"
         pred = f"{r['predicted_mfu']:.1%}" if r.get("predicted_mfu") is not None else "-"
         pub = f"{r['published_mfu']:.1%}" if r.get("published_mfu") is not None else "-"
-        ratio = f"{r['ratio']:.2f}" if r.get("ratio") is not None else "-"
-        lines.append(f"{r['model']:<18} {r['gpus']:>6} {mesh:>17} {'yes':>4} {'yes' if r['fits'] else 'NO':>5} "
-                     f"{r['peak_gib']:>8.1f} {r['layers_per_stage']:>10} {r['schedule']:>14} {r['recompute']:>9} "
-                     f"{rank:>9} {pred:>8} {pub:>7} {ratio:>6}  {r['flops']}")
+        ratio = f"{r['ratio']:.3f}" if r.get("ratio") is not None else "-"
+        vs = f"{r['step_vs_best']:.2f}x" if r.get("step_vs_best") else "-"
+        same = (f"{r['same_settings_rank']}/{r['same_settings_n']} {r['step_vs_best_same_settings']:.2f}x"
+                if r.get("step_vs_best_same_settings") else "-")
+        fits = "yes" if r["fits"] else ("over" if r.get("memory_note") else "NO")
+        lines.append(f"{r['model']:<18} {role:<5} {r['gpus']:>6} {mesh:>12} {fits:>5} {r['peak_gib']:>8.1f} "
+                     f"{r['schedule']:>14} {r['recompute']:>9} {pred:>8} {pub:>7} {ratio:>6} {rank:>8} {vs:>6} "
+                     f"{same:>13}  {r['flops']}")
+    lines += ["", "rank / vs #1: where the published configuration's predicted step falls among every mesh the "
+              "planner prices (its own recompute and schedule choices) and its step over the top pick's; "
+              "same-settings: the same with the source's recompute and schedule family held",
+              "fits 'over': the calculator puts the source's own schedule over memory; priced anyway "
+              "(validation.yaml memory_override)"]
+    goals = training_goals(rows)
+    lines += [""] + [f"goal {g['goal']}: {'met' if g['met'] else 'NOT met'} ({g['detail']})" for g in goals]
     skipped = [r for r in rows if r.get("skipped")]
     if skipped:
         lines += ["", "not validated:"] + [f"  {r['source']}: {r['model']} on {r['gpus']} GPUs — {r['skipped']}"
                                            for r in skipped]
     return "\n".join(lines)
+
+
+def training_goals(rows: list[dict], *, tolerance: float = MFU_TOLERANCE, spread: float = MAX_RATIO_SPREAD,
+                   step_vs_best: float = STEP_VS_BEST) -> list[dict]:
+    """The issue's goals on the ``validation`` rows of :func:`validate_published` (calibration rows excluded):
+
+    * ``mfu``: every ratio predicted / published MFU within 1 +- ``tolerance``;
+    * ``spread``: max / min of the ratios <= ``spread``;
+    * ``planner``: every published configuration's step time within ``step_vs_best`` of the planner's top pick
+      (free choice of recompute and schedule), and ``planner_same_settings`` with the source's held;
+    * ``tp_across_nodes``: no top-5 pick with a TP group across nodes.
+
+    Each a dict: ``goal``, ``met``, ``detail`` (the worst row). Rows without a ratio count as misses."""
+    val = [r for r in rows if not r.get("skipped") and r.get("role", "validation") == "validation"]
+    ratios = [(r.get("ratio"), f"{r['model']}/{r['gpus']}") for r in val]
+    out = []
+    bad = [(x, n) for x, n in ratios if x is None or abs(x - 1) > tolerance]
+    worst = max(ratios, key=lambda t: abs((t[0] or 0) - 1)) if ratios else (None, "-")
+    out.append({"goal": f"mfu within +-{tolerance:.0%} on {len(val)} validation rows", "met": bool(val) and not bad,
+                "detail": f"{len(bad)} outside; furthest {worst[1]} at {worst[0] and round(worst[0], 3)}"})
+    xs = [x for x, _ in ratios if x]
+    sp = max(xs) / min(xs) if xs else float("inf")
+    out.append({"goal": f"max/min of the ratios <= {spread}", "met": sp <= spread, "detail": f"{sp:.3f}"})
+    for key, name in (("step_vs_best", "planner"), ("step_vs_best_same_settings", "planner_same_settings")):
+        vs = [(r.get(key), f"{r['model']}/{r['gpus']}") for r in val]
+        miss = [(x, n) for x, n in vs if x is None or x > step_vs_best]
+        far = max(vs, key=lambda t: t[0] or float("inf")) if vs else (None, "-")
+        out.append({"goal": f"{name}: published step within {step_vs_best - 1:.0%} of the top pick's",
+                    "met": bool(vs) and not miss, "detail": f"{len(miss)} of {len(vs)} beyond; furthest {far[1]} "
+                                                            f"at {far[0] and round(far[0], 3)}x"})
+    tp = [(r.get("top5_tp_across_nodes"), f"{r['model']}/{r['gpus']}") for r in val]
+    tp_bad = [(x, n) for x, n in tp if x]
+    out.append({"goal": "tp_across_nodes: no top-5 pick with TP across nodes", "met": not tp_bad,
+                "detail": ", ".join(f"{n}: {x}" for x, n in tp_bad) or "none"})
+    return out

@@ -5,6 +5,7 @@ its source. :mod:`labkit.theory.planner` ranks meshes with it; everything here i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
 
@@ -26,6 +27,28 @@ TIME_PARTS = ("compute_s", "bubble_s", "tp_s", "cp_s", "ep_s", "pp_s", "dp_s")
 #: compute priced kernel by kernel (:mod:`labkit.theory.layercost`).
 DEFAULT_MFU = 0.5
 DEFAULT_INTER_LINK = "ib-ndr"
+
+
+#: mutations of the time model, for the checks that a wrong model fails validation (labkit.theory.mutants); the
+#: real model has them all off
+_MUTATION = {"no_comm": False}
+
+
+@contextlib.contextmanager
+def mutation(*, no_comm: bool = False):
+    """Within the block, price the step with a mutated model: ``no_comm`` = every collective and send free.
+    For :mod:`labkit.theory.mutants` only (a model the validation must reject)."""
+    old = dict(_MUTATION)
+    _MUTATION["no_comm"] = bool(no_comm)
+    try:
+        yield
+    finally:
+        _MUTATION.update(old)
+
+
+def mutation_key() -> tuple:
+    """The active mutation as a hashable key (caches of validation rows include it)."""
+    return tuple(sorted(_MUTATION.items()))
 
 
 @functools.lru_cache(maxsize=16)
@@ -131,7 +154,7 @@ class Topology:
         ranks per node and nodes from :func:`labkit.theory.mesh.dim_placement`. The network bandwidth a rank
         gets is one NIC's times min(1, nics_per_node / gpus_per_node): every group of a dimension communicates
         at once. ``send_recv`` is between two neighbours ``stride`` apart."""
-        if degree < 2 or nbytes <= 0:
+        if degree < 2 or nbytes <= 0 or _MUTATION["no_comm"]:
             return 0.0
         n = 2 if op == "send_recv" else degree
         place = dim_placement(n, stride, self.gpus_per_node)
