@@ -112,7 +112,12 @@ class Topology:
     @property
     def kernel_device(self) -> tuple:
         """(peak FLOP/s, memory GB/s, KernelParams): what :mod:`labkit.theory.layercost` prices kernels with."""
-        return (self.peak_flops, self.memory_gbps, self.kernels or kmodel.KernelParams())
+        bw, kp = self.memory_gbps, self.kernels
+        if not bw or kp is None:  # built field by field (not by Topology.of): the device's own facts
+            d = costmodel.devices().get(self.gpu, {})
+            bw = bw or float(d.get("hbm_gbps", d.get("memory_gbps", 0.0))) or float("inf")
+            kp = kp or (kmodel.kernel_params(self.gpu) if d else kmodel.KernelParams())
+        return (self.peak_flops, bw, kp)
 
     @classmethod
     def of(cls, gpu: str, gpus_per_node: int = 8, inter: str = DEFAULT_INTER_LINK,
