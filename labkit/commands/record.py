@@ -1,7 +1,8 @@
 """``labkit record --out DIR``: measure this machine — a GEMM shape sweep, a streaming-kernel sweep, a collectives
 sweep (every op, 1 KiB up to ``--max-size``) and a few DP / TP / PP training steps — and write the rows to
 ``DIR/recording.csv`` (:data:`labkit.experiments.record.COLUMNS`, each labelled ``measured (<machine>)``) with
-``DIR/identity.json``. ``labkit calibrate DIR --name NAME`` fits a profile on them (docs/calibration.md).
+``DIR/identity.json`` (and ``DIR/traces.json``: the traced training steps' operations). ``labkit calibrate DIR
+--name NAME`` fits a profile on them (docs/calibration.md).
 
 Runs from a checkout on a machine's own ``python3`` and ``torch`` with nothing else installed::
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 NAME = "record"
 HELP = "measure this machine (GEMMs, memory-bound kernels, collectives, DP/TP/PP steps) into DIR/recording.csv"
-PARTS = ("gemm", "memory", "collectives", "steps")
+PARTS = ("gemm", "memory", "traces", "collectives", "steps")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -75,6 +76,10 @@ def record(out, *, machine: str = "this machine", world_size: int | None = None,
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"--timeout={timeout_s!r} must be a number of seconds > 0")
     max_size = rec.default_max_size(on_gpu, world_size, quick) if max_size is None else parse_bytes(max_size)
+    room = rec.free_memory_bytes(on_gpu) // (4 * world_size)
+    if max_size > room:
+        raise ValueError(f"--max-size={max_size} bytes does not fit: {world_size} ranks x 4 buffers of it exceed the "
+                         f"free memory; use at most {room} bytes (or leave it out: the default fits)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ident = rec.identity(machine)
@@ -98,6 +103,11 @@ def record(out, *, machine: str = "this machine", world_size: int | None = None,
     if "memory" in parts:
         mem_max = min(256 << 20, rec.free_memory_bytes(on_gpu) // (8 * kernel_ws)) if on_gpu else (64 << 20)
         part("memory", rec.memory_rank, rec.memory_sizes(mem_max, quick), ws=kernel_ws)
+    if "traces" in parts:
+        try:
+            part("traces", rec.trace_rank, rec.TRACE_RUNS[::2] if quick else rec.TRACE_RUNS, ws=kernel_ws)
+        except (ImportError, RuntimeError) as e:  # the tracer needs the lab's emulator (and its data files)
+            log(f"record: traces: not run: {str(e).splitlines()[0][:160]}")
     if "collectives" in parts and world_size > 1:
         part("collectives", rec.collective_rank, rec.OPS, rec.collective_sizes(max_size, quick))
     if "steps" in parts and world_size == 2:
@@ -112,10 +122,12 @@ def record(out, *, machine: str = "this machine", world_size: int | None = None,
             dp, tp, pp = rec.STEP_RUNS[run]
             rows.append({"kind": "step", "op": run, "shape": f"dp{dp} tp{tp} pp{pp}", "dtype": "fp32", "bytes": "",
                          "flops": "", **row,
-                         "note": row.get("note") or "median step after the first; " + ", ".join(
+                         "note": row.get("note") or f"{rec.STATISTIC} step after the first; " + ", ".join(
                              f"{k}={v}" for k, v in rec.STEP_DEFAULTS.items())})
             log(f"record: step {run}: {row['seconds'] or row['note']} ({time.perf_counter() - t0:.1f} s)")
+    traces = {f"{r['op']}|{r['shape']}": r.pop("trace") for r in rows if "trace" in r}
     rows = rec.finish_rows(rows, ident, world_size, threads)
+    (out / "traces.json").write_text(json.dumps(traces) + "\n", encoding="utf-8")
     path = out / "recording.csv"
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=rec.COLUMNS)

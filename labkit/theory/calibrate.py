@@ -66,6 +66,7 @@ def validation_rows(rows) -> list[dict]:
 # ------------------------------------------------------------------------------------------------------
 #: the row kinds a profile's compute parameters are fitted on, and its link parameters
 COMPUTE_KINDS = ("gemm", "memory")
+PROGRAM_KINDS = ("trace",)
 LINK_KINDS = ("collective",)
 
 
@@ -133,6 +134,9 @@ def price_row(cluster, row: dict) -> float:
     * ``gemm``: :meth:`Cluster.kernel_s` ``("gemm", shape=(batch, m, n, k))`` where the profile has kernel
       parameters, else :meth:`Cluster.compute_s` of the row's flops and bytes (the roofline);
     * ``memory``: :meth:`Cluster.compute_s` of its flops and bytes;
+    * ``trace`` (a traced training step, ``row["trace"]`` = ``[flops, nbytes, dtype, count]`` per distinct
+      operation): the sum of :meth:`Cluster.compute_s` over its operations, as the emulator's replay charges a
+      rank's compute (host time between operations costs nothing);
     * ``collective``: :meth:`Cluster.collective_s` of op and S on ranks 0..world_size-1 (``send_recv``:
       :meth:`Cluster.p2p_s` 0 -> 1).
 
@@ -145,12 +149,17 @@ def price_row(cluster, row: dict) -> float:
         return cluster.compute_s(flops, nbytes, dtype)
     if kind == "memory":
         return cluster.compute_s(flops, nbytes, dtype)
+    if kind == "trace":
+        ops = row.get("trace")
+        if not ops:
+            raise ValueError(f"trace row {row.get('shape')!r} has no traced operations (traces.json)")
+        return sum(n * cluster.compute_s(f, b, d) for f, b, d, n in ops)
     if kind == "collective":
         n = int(_num(row, "world_size") or 2)
         if row.get("op") == "send_recv":
             return cluster.p2p_s(0, 1, nbytes)
         return cluster.collective_s(str(row.get("op")), nbytes, tuple(range(n)))
-    raise ValueError(f"row kind={kind!r} cannot be priced; valid: gemm, memory, collective")
+    raise ValueError(f"row kind={kind!r} cannot be priced; valid: gemm, memory, trace, collective")
 
 
 def residuals(cluster, rows) -> list[dict]:
@@ -304,7 +313,11 @@ def calibrate_rows(rows, *, name: str, identity: dict | None = None) -> dict:
     emulator's own pricing (:func:`price_row`):
 
     * compute, on the calibration ``gemm`` and ``memory`` rows: ``peak_tflops``, ``memory_gbps``,
-      ``kernel_overhead_s`` (and ``gemm_k_half`` where the cluster has kernel parameters);
+      ``kernel_overhead_s`` (and ``gemm_k_half`` where the cluster has kernel parameters); then, where the
+      recording has calibration ``trace`` rows (whole traced training steps of a one-rank model), ``peak_tflops``
+      and ``kernel_overhead_s`` again on those (the bandwidth kept): a kernel's tight loop pays less per
+      operation than a training step does (autograd, module calls), and the emulator charges a step's
+      operations, so the profile keeps the step's values; the kernel sweep's own are ``kernel_sweep_fit``;
     * link, on the calibration ``collective`` rows: ``link_gbps``, ``hop_latency_s``, ``base_latency_s``;
 
     plus, per collective op, Hockney's ``t = alpha + S / algbw`` on its calibration rows
@@ -335,6 +348,14 @@ def calibrate_rows(rows, *, name: str, identity: dict | None = None) -> dict:
                  names, x0, comp, lower=[1e-6, 1e-3, 1e-9, 1e-3][:len(names)],
                  upper=[1e4, 1e5, 1.0, 1e5][:len(names)])
     sources = {n: f"fit on {len(comp)} calibration rows (gemm, memory)" for n in names}
+    kernel_sweep = dict(values)
+    prog = [r for r in calib if r.get("kind") in PROGRAM_KINDS]
+    if prog:  # the rate and per-operation cost a whole training step sustains, the bandwidth kept
+        pnames = ["peak_tflops", "kernel_overhead_s"]
+        values |= fit(lambda u: build_cluster(name, ws, {**values, **dict(zip(pnames, u))}, device=device,
+                                              dtypes=dtypes), pnames, [values[n] for n in pnames], prog,
+                      lower=[1e-6, 1e-9], upper=[1e4, 1.0])
+        sources |= {n: f"fit on {len(prog)} calibration rows (trace: traced training steps)" for n in pnames}
     per_op = {}
     if ws > 1 and link:
         lnames = ["link_gbps", "hop_latency_s", "base_latency_s"]
@@ -355,12 +376,18 @@ def calibrate_rows(rows, *, name: str, identity: dict | None = None) -> dict:
     cluster = build_cluster(name, ws, values, device=device, dtypes=dtypes)
     res_c, res_v = residuals(cluster, [r for r in calib if r.get("kind") != "step"]), \
         residuals(cluster, [r for r in valid if r.get("kind") != "step"])
+    sweep_cluster = build_cluster(name, ws, {**values, **kernel_sweep}, device=device, dtypes=dtypes)
+    kernel_fit = {"parameters": kernel_sweep, "source": f"fit on {len(comp)} calibration rows (gemm, memory)",
+                  "summary": {role: summarize(residuals(sweep_cluster, [r for r in rs if r.get("kind") in
+                                                                         COMPUTE_KINDS + PROGRAM_KINDS]))
+                              for role, rs in (("calibration", calib), ("validation", valid))}}
     return {
         "format": FORMAT, "name": name, "label": f"fit (labkit calibrate on measured ({device or name}))",
         "cluster": cluster.to_dict(),
         "parameters": {n: {"value": values[n], "unit": PARAMETERS[n][0], "what": PARAMETERS[n][1],
                            "source": sources[n]} for n in values},
         "per_op": per_op,
+        "kernel_sweep_fit": kernel_fit,
         "residuals": {"calibration": res_c, "validation": res_v},
         "summary": {"calibration": summarize(res_c), "validation": summarize(res_v)},
         "identity": dict(identity or {}),
@@ -437,3 +464,17 @@ def fitted_cluster(name: str):
     if profile_path(name) is None:
         return None
     return Cluster.from_dict(load_profile(name)["cluster"])
+
+
+def scaled_compute(cluster, factor: float):
+    """``cluster`` with compute ``factor`` times faster (every peak and the memory bandwidth x factor, the
+    per-operation overhead / factor), links unchanged: the wrong profile a mutation test must catch."""
+    from labkit.theory.cluster import Device
+
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"factor={factor!r} must be a finite number > 0")
+    d = cluster.device
+    dev = Device(d.name, {k: v * factor for k, v in d.peak_tflops.items()}, d.memory_gbps * factor, d.memory_bytes,
+                 d.source)
+    return cluster.replace(device=dev, kernel_overhead_s=cluster.kernel_overhead_s / factor,
+                           name=f"{cluster.name}-compute-x{factor:g}")
