@@ -117,8 +117,11 @@ class KernelParams:
 @functools.lru_cache(maxsize=64)
 def kernel_params(device: str) -> KernelParams:
     """The defaults for ``device`` (a ``devices:`` name of data/hardware.yaml): its ``sm_count`` and its
-    ``kernels:`` entry (each free parameter with its source). A device without one gets the class defaults,
-    with ``source`` saying so. Raises ValueError for an unknown device."""
+    ``kernels:`` entry (each free parameter with its source). ``gemm_efficiency`` there is a measured GEMM's
+    achieved fraction of peak at ``gemm_efficiency_shape`` (m, n, k): the tile rate is scaled so that
+    :func:`gemm_efficiency` gives exactly that fraction at that shape (the model's own tile and wave
+    quantisation taken out). A device without an entry gets the class defaults, with ``source`` saying so.
+    Raises ValueError for an unknown device."""
     from labkit.theory import costmodel
 
     d = costmodel.get_device(device)
