@@ -33,10 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from labkit.checks import check_choice, positive_float, positive_int
 from labkit.paths import data_dir
+from labkit.yamlload import load_path
 
 #: Operations the sweep measures, in the order tables list them.
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
@@ -206,6 +205,7 @@ class Link:
         hop_latency_s: latency of one ring step over this link, s (NCCL tuning model ``hwLat``, Ring/LL).
         tree_hop_latency_s: the same for one tree step (``hwLat``, Tree/LL).
         source, latency_source: public URLs of the numbers.
+        nvls: the switch behind the link does NVLink SHARP (NVSwitch 3 and later), so NCCL may run NVLS.
     """
 
     name: str
@@ -216,12 +216,12 @@ class Link:
     description: str = ""
     source: str = ""
     latency_source: str = ""
+    nvls: bool = False
 
 
 @functools.lru_cache(maxsize=4)
 def _load(path: str) -> dict:
-    with open(path) as f:
-        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}  # libyaml when built
+    return load_path(path) or {}  # PyYAML (libyaml when built), else labkit.yamlload's reader
 
 
 def hardware(path: str | Path | None = None) -> dict:
@@ -240,7 +240,8 @@ def links(path: str | Path | None = None) -> dict[str, Link]:
                          hop_latency_s=float(d["hop_latency_us"]) * 1e-6,
                          tree_hop_latency_s=float(d.get("tree_hop_latency_us", d["hop_latency_us"])) * 1e-6,
                          description=d.get("description", ""),
-                         source=d.get("source", ""), latency_source=base.get("source", ""))
+                         source=d.get("source", ""), latency_source=base.get("source", ""),
+                         nvls=bool(d.get("nvls", False)))
     return out
 
 
@@ -300,52 +301,49 @@ def _nodes(world_size: int, gpus_per_node: int) -> tuple[int, int]:
 
 
 def collective_time(op: str, nbytes: int, world_size: int, intra: str | Link = "nvlink4",
-                    inter: str | Link | None = "ib-ndr", *, gpus_per_node: int = 8, algorithm: str = "ring",
-                    include_base: bool = True) -> float:
-    """Predicted seconds for one collective of S = ``nbytes`` on ``world_size`` GPUs (alpha-beta model).
-
-    Bandwidth term: ``factor * S / B`` with factor the op's busbw factor and ``B`` the per-direction bandwidth
-    of the slowest link the ring crosses (``inter`` once the world spans several nodes). Latency term: one
-    hop latency per algorithm step, intra- or inter-node, as NCCL's tuning model counts steps, plus the fixed
-    ``baseLat`` when ``include_base``:
-
-    * ring: all_reduce ``2(n-1)`` steps (``2(nodes-1)`` of them inter-node); all_gather, reduce_scatter,
-      all_to_all ``n-1`` (``nodes-1``); broadcast ``n-1`` pipelined; send_recv 1 (Thakur et al. 2005, sec. 4).
-    * tree (all_reduce only): latency ``2((g-1) a_intra + ceil(log2 nodes) a_inter)`` with ``g`` GPUs per
-      node, bandwidth term ``2 S / B`` (pipelined double binary tree: algbw = busbw/2; Sanders et al. 2009;
-      NCCL ``src/graph/tuning.cc``). With one node the tree is a chain, so it has no latency advantage.
+                    inter: str | Link | None = "ib-ndr", *, gpus_per_node: int = 8, algorithm: str | None = None,
+                    include_base: bool = True, nvls: bool | None = None) -> float:
+    """Predicted seconds for one collective of S = ``nbytes`` on ``world_size`` GPUs packed ``gpus_per_node``
+    to a node, priced as NCCL runs it (:mod:`labkit.theory.nccl`: every algorithm and protocol NCCL would
+    consider, the fastest taken; :func:`collective_choice` says which). ``algorithm`` ``"ring"`` / ``"tree"``
+    forces one as ``NCCL_ALGO`` does (None: NCCL's pick); ``nvls`` None = the intra link's NVLink SHARP
+    capability; ``include_base=False`` drops NCCL's per-call ``baseLat``. One NIC per GPU across nodes.
 
     Raises:
         ValueError: unknown op/algorithm/link, nbytes < 1, world_size below what op needs, world_size not
             a whole number of nodes, a multi-node world without ``inter``, or tree for an op but all_reduce.
     """
-    check_choice("algorithm", algorithm, ALGORITHMS)
+    if algorithm is not None:
+        check_choice("algorithm", algorithm, ALGORITHMS)
     n = check_world_size(op, world_size)
     nbytes = positive_int("nbytes", nbytes)
     gpus_per_node = positive_int("gpus_per_node", gpus_per_node)
     nodes, g = _nodes(n, gpus_per_node)
-    a = get_link(intra)
+    if algorithm == "tree" and op != "all_reduce":
+        raise ValueError(f"algorithm='tree' is modelled for op='all_reduce' only, got op={op!r}; "
+                         "use algorithm='ring'")
     if nodes > 1 and inter is None:
         raise ValueError(f"world_size={n} spans {nodes} nodes of {gpus_per_node} GPUs: give an inter-node "
                          f"link (inter=...), one of: {', '.join(links())}")
-    b = get_link(inter) if nodes > 1 else a
-    bw = min(a.bandwidth_gbps, b.bandwidth_gbps) * GB
-    if algorithm == "tree":
-        if op != "all_reduce":
-            raise ValueError(f"algorithm='tree' is modelled for op='all_reduce' only, got op={op!r}; "
-                             "use algorithm='ring'")
-        lat = 2 * ((g - 1) * a.tree_hop_latency_s + math.ceil(math.log2(nodes)) * b.tree_hop_latency_s)
-        t_bw = 2.0 * nbytes / bw
-    else:
-        if op == "all_reduce":
-            steps, inter_steps = 2 * (n - 1), 2 * (nodes - 1)
-        elif op == "send_recv":
-            steps, inter_steps = 1, 1 if nodes > 1 else 0
-        else:
-            steps, inter_steps = n - 1, nodes - 1
-        lat = (steps - inter_steps) * a.hop_latency_s + inter_steps * b.hop_latency_s
-        t_bw = bus_factor(op, n) * nbytes / bw
-    return (base_latency_s(algorithm) if include_base else 0.0) + lat + t_bw
+    return placed_collective_time(op, nbytes, n, nodes, g, intra=intra, inter=inter if nodes > 1 else None,
+                                  nics_per_node=g, include_base=include_base, nvls=nvls, algorithm=algorithm)
+
+
+def collective_choice(op: str, nbytes: float, n: int, nodes: int, ranks_per_node: int, *, intra: str | Link,
+                      inter: str | Link | None = None, nics_per_node: int = 1, nvls: bool | None = None,
+                      link_efficiency: float = 1.0) -> dict:
+    """Which algorithm and protocol NCCL would run for ``op`` (:data:`labkit.theory.nccl.NCCL_OPS`) on a
+    placed group (as :func:`placed_collective_time`), and its time: ``{"algorithm", "protocol", "time_s",
+    "latency_s", "algbw_gbps"}``, all *predicted* (:func:`labkit.theory.nccl.choose`). Raises ValueError as
+    that function does."""
+    from labkit.theory import nccl
+
+    a = get_link(intra)
+    e = get_link(inter) if inter is not None else None
+    c = nccl.choose(op, float(nbytes), n, nodes, ranks_per_node, intra=a, inter=e, nics=nics_per_node,
+                    nvls=a.nvls if nvls is None else bool(nvls), link_efficiency=link_efficiency)
+    return {"algorithm": c.algorithm, "protocol": c.protocol, "time_s": c.time_s, "latency_s": c.latency_s,
+            "algbw_gbps": c.algbw_gbps}
 
 
 def ring_vs_tree(nbytes_list: Sequence[int], world_sizes: Sequence[int] = (8, 64, 1024),
@@ -422,36 +420,24 @@ def group_placement(ranks: Sequence[int], gpus_per_node: int) -> dict:
 
 def group_collective_time(op: str, nbytes: int, ranks: Sequence[int], *, gpus_per_node: int,
                           intra: str | Link, inter: str | Link | None = None, nics_per_node: int = 1,
-                          link_efficiency: float = 1.0, include_base: bool = True) -> float:
+                          link_efficiency: float = 1.0, include_base: bool = True, nvls: bool | None = None) -> float:
     """Predicted seconds of one collective of S = ``nbytes`` (nccl-tests convention) on the group of global
-    ``ranks``, each rank r on node ``r // gpus_per_node`` (the placement of :func:`group_placement`).
+    ``ranks``, each rank r on node ``r // gpus_per_node`` (the placement of :func:`group_placement`), priced as
+    NCCL runs it (:func:`placed_collective_time`: n ranks, N nodes, k ranks per node).
 
-    Let n be the group's size, N the nodes it touches, k its ranks per node, ``B_i`` the intra-node link's
-    per-direction bandwidth, and ``B_e = B_nic * min(1, nics_per_node / k)`` the network bandwidth one rank
-    gets (on a rail-optimised node every GPU drives its own NIC; with fewer NICs than ranks they share them),
-    all times ``link_efficiency``; ``a_i``/``a_e`` the per-step latencies (NCCL tuning model ``hwLat``), plus
-    the fixed ``baseLat`` once when ``include_base``.
+    * all_reduce, all_gather, reduce_scatter, broadcast: the fastest of NCCL's algorithms (ring, tree, NVLS,
+      NVLSTree) and protocols (LL, LL128, Simple), each with NCCL's latency table and per-protocol bandwidth
+      factors on bus bandwidths below line rate (fitted ``bus_efficiency`` / ``net_efficiency``); across nodes
+      a ring's channels leave through the node's NICs, so its bus bandwidth is ``min(B_intra, min(k, NICs) x
+      B_nic)`` (:mod:`labkit.theory.nccl`, whose docstring gives every formula and source);
+    * all_to_all: ``max((k-1)/n * S/B_i, (n-k)/n * S/B_e)`` (intra and network traffic in parallel, each rank's
+      network share ``B_e = B_nic min(1, NICs/k)``) plus one point-to-point latency;
+    * send_recv: one transfer (:func:`labkit.theory.nccl.p2p_time`), over a NIC across nodes;
+    * barrier: the latency of an all_reduce of nothing.
 
-    * **One node** (N = 1): the ring of :func:`collective_time` on the intra-node link (Thakur et al. 2005,
-      sec. 4): ``factor(op, n) * S / B_i`` plus one ``a_i`` per ring step.
-    * **Several nodes**, hierarchical (NCCL's tree / multi-ring across rails; the two-level algorithms of
-      Thakur et al. 2005, sec. 4, and of NCCL's docs, "Collective Operations"): all_reduce = intra-node
-      reduce-scatter, then an all-reduce of the node's ``S/k`` shard among the N nodes over the network (k
-      rails in parallel), then intra-node all-gather::
-
-          all_reduce      2(k-1)/k * S/B_i + 2(N-1)/N * S/(k B_e);  latency 2(k-1) a_i + 2(N-1) a_e
-          all_gather,
-          reduce_scatter   (k-1)/k * S/B_i +  (N-1)/N * S/(k B_e);  latency  (k-1) a_i +  (N-1) a_e
-          all_to_all      max((k-1)/n * S/B_i, (n-k)/n * S/B_e)     (intra and network traffic in parallel)
-          broadcast       S / min(B_i, B_nic)                       (pipelined chain; one NIC per hop)
-          send_recv       S / B_i inside a node, S / B_nic across   (one pair owns its NIC)
-          barrier         latency only (an all_reduce of nothing)
-
-      With k = 1 (one rank per node) the network ring is the whole algorithm: ``factor * S / B_nic``.
-
-    The model has no contention (several groups sharing a link each get all of it) and no protocol overhead
-    (``link_efficiency`` = 1.0: NCCL reaches about 80 % of NVLink's line rate, NVIDIA/nccl-tests#212).
-    ``ranks`` of one rank cost 0.
+    ``link_efficiency`` (default 1.0) derates every bandwidth further; ``nvls`` None = the intra link's NVLink
+    SHARP capability. No contention between groups (labkit.theory.replay shares links). ``ranks`` of one rank
+    cost 0.
 
     Raises:
         ValueError: unknown op (listing :data:`GROUP_OPS`), nbytes < 0, bad ranks, a multi-node group without
@@ -463,18 +449,22 @@ def group_collective_time(op: str, nbytes: int, ranks: Sequence[int], *, gpus_pe
         raise ValueError(f"op='send_recv' is between 2 ranks, got a group of {place['n']}: {list(ranks)!r}")
     return placed_collective_time(op, nbytes, place["n"], place["nodes"], place["ranks_per_node"], intra=intra,
                                   inter=inter, nics_per_node=nics_per_node, link_efficiency=link_efficiency,
-                                  include_base=include_base, gpus_per_node=gpus_per_node)
+                                  include_base=include_base, gpus_per_node=gpus_per_node, nvls=nvls)
 
 
 def placed_collective_time(op: str, nbytes: float, n: int, nodes: int, ranks_per_node: int, *, intra: str | Link,
                            inter: str | Link | None = None, nics_per_node: int = 1, link_efficiency: float = 1.0,
-                           include_base: bool = True, gpus_per_node: int | None = None) -> float:
+                           include_base: bool = True, gpus_per_node: int | None = None, nvls: bool | None = None,
+                           algorithm: str | None = None, prm=None) -> float:
     """:func:`group_collective_time` for a group given by its placement instead of its ranks: ``n`` ranks on
     ``nodes`` nodes, at most ``ranks_per_node`` on one (what :func:`group_placement` returns). The same
-    formulas, in O(1) whatever the group's size, so a planner scoring thousands of meshes of 10**4 ranks can
-    price every group (:mod:`labkit.theory.planner`). Raises ValueError as :func:`group_collective_time` does,
-    and for a placement that cannot exist (n < 1, nodes < 1, ranks_per_node outside 1..n, nodes x
-    ranks_per_node < n)."""
+    formulas, in O(1) whatever the group's size (a fixed number of NCCL candidates), so a planner scoring
+    thousands of meshes of 10**4 ranks can price every group (:mod:`labkit.theory.planner`). ``algorithm``
+    forces one (``NCCL_ALGO``); ``prm`` replaces the fitted :class:`labkit.theory.nccl.NcclParams`. Raises
+    ValueError as :func:`group_collective_time` does, and for a placement that cannot exist (n < 1, nodes < 1,
+    ranks_per_node outside 1..n, nodes x ranks_per_node < n)."""
+    from labkit.theory import nccl
+
     n, nodes, k = positive_int("n", n), positive_int("nodes", nodes), positive_int("ranks_per_node", ranks_per_node)
     if k > n or nodes * k < n or nodes > n:
         raise ValueError(f"a group of n={n} ranks cannot sit on nodes={nodes} with at most ranks_per_node={k}")
@@ -495,33 +485,24 @@ def placed_collective_time(op: str, nbytes: float, n: int, nodes: int, ranks_per
     if nodes > 1 and inter is None:
         raise ValueError(f"a group of {n} ranks spans {nodes} nodes: give an inter-node link (inter=...), one of: "
                          f"{', '.join(links())}")
+    e = get_link(inter) if nodes > 1 else None
+    prm = prm or nccl.params()
+    base = 1.0 if include_base else 0.0
     s = float(nbytes)
-    b_i = a.bandwidth_gbps * GB * eff
-    base = base_latency_s("ring") if include_base else 0.0
-    if nodes == 1:
-        if op == "barrier":
-            return base + 2 * (n - 1) * a.hop_latency_s
-        steps = 2 * (n - 1) if op == "all_reduce" else (1 if op == "send_recv" else n - 1)
-        return base + steps * a.hop_latency_s + bus_factor(op, n) * s / b_i
-    e = get_link(inter)
-    b_nic = e.bandwidth_gbps * GB * eff
-    b_e = b_nic * min(1.0, nics / k)
-    ai, ae = a.hop_latency_s, e.hop_latency_s
-    if op in ("all_reduce", "barrier"):
-        lat = 2 * (k - 1) * ai + 2 * (nodes - 1) * ae
-        t = 0.0 if op == "barrier" else 2 * (k - 1) / k * s / b_i + 2 * (nodes - 1) / nodes * s / (k * b_e)
-    elif op in ("all_gather", "reduce_scatter"):
-        lat = (k - 1) * ai + (nodes - 1) * ae
-        t = (k - 1) / k * s / b_i + (nodes - 1) / nodes * s / (k * b_e)
-    elif op == "all_to_all":
-        lat = (k - 1) * ai + (nodes - 1) * ae
-        t = max((k - 1) / n * s / b_i, (n - k) / n * s / b_e)
-    elif op == "broadcast":
-        lat = (n - nodes) * ai + (nodes - 1) * ae
-        t = s / min(b_i, b_nic)
-    else:  # send_recv across nodes
-        lat, t = ae, s / b_nic
-    return base + lat + t
+    if op == "send_recv":
+        return nccl.p2p_time(s, nodes > 1, intra=a, inter=e, prm=prm, link_efficiency=eff, base_scale=base).time_s
+    if op == "all_to_all":
+        lat = nccl.p2p_time(0.0, nodes > 1, intra=a, inter=e, prm=prm, base_scale=base).latency_s
+        b_i = a.bandwidth_gbps * GB * prm.efficiency(a.name) * eff
+        if nodes == 1:
+            return lat + (k - 1) / n * s / b_i
+        b_e = e.bandwidth_gbps * GB * prm.efficiency(e.name) * eff * min(1.0, nics / k)
+        return lat + max((k - 1) / n * s / b_i, (n - k) / n * s / b_e)
+    kind = "all_reduce" if op == "barrier" else op
+    c = nccl.choose(kind, 0.0 if op == "barrier" else s, n, nodes, k, intra=a, inter=e, nics=nics,
+                    nvls=a.nvls if nvls is None else bool(nvls), prm=prm, link_efficiency=eff, base_scale=base,
+                    algorithm=algorithm)
+    return c.time_s
 
 
 def group_link(ranks: Sequence[int], gpus_per_node: int, intra: str | Link, inter: str | Link | None) -> str:
