@@ -11,8 +11,9 @@ from labkit.chapters import ch06_pipeline_parallel as ch
 
 def test_check_chapter_defaults_and_refusals():
     plan = ch.check_chapter(world_size=4, emulate="dgx-h100")
-    assert plan["n_microbatches"] == 4 and plan["sweep_microbatches"] == [4, 8] and plan["emulate"] == "dgx-h100"
-    assert ch.check_chapter(world_size=3)["n_microbatches"] == 3
+    # m = 2p by default: 1F1B's memory advantage (p in flight against GPipe's m) shows; the sweep keeps m = p
+    assert plan["n_microbatches"] == 8 and plan["sweep_microbatches"] == [4, 8] and plan["emulate"] == "dgx-h100"
+    assert ch.check_chapter(world_size=3)["n_microbatches"] == 6
     with pytest.raises(ValueError, match="emulate='dgx-h100' with world_size=12"):
         ch.check_chapter(world_size=12, emulate="dgx-h100")
     with pytest.raises(ValueError, match="emulate='no-such'"):
@@ -98,3 +99,35 @@ def test_the_word_none_turns_emulation_off_and_a_bad_profile_is_refused():
 def test_balance_findings_says_how_much_longer_the_pipeline_computed():
     text = ch.balance_findings([1e-3, 1e-3, 1e-3, 5e-3], (2, 2), (3, 1), [2.0, 60.0], [3.0, 40.0], 0.10, 0.12, m=2)
     assert "computed 5.0x longer per step than m = 2 micro-batches" in text
+
+
+def test_balance_inside_the_timing_spread_is_not_called_a_win():
+    """"Balancing paid: the step is 14 % shorter" for a change inside the runs' own spread: with the spread
+    given, the same numbers say "about as fast" and name the spread."""
+    layers, eq, bal = [1e-3, 1e-3, 1e-3, 5e-3], (2, 2), (3, 1)
+    assert "Balancing paid: the step is 14% shorter" in ch.balance_findings(layers, eq, bal, [2.0, 6.0], [3.0, 5.0],
+                                                                            0.100, 0.086)
+    text = ch.balance_findings(layers, eq, bal, [2.0, 6.0], [3.0, 5.0], 0.100, 0.086, spread=0.25)
+    assert "Balancing paid" not in text and "about as fast" in text and "timing spread of 25%" in text
+
+
+def test_gantt_title_says_which_step_and_the_tables_median():
+    class Run:  # two timed steps with different bubbles: the figure says which one it draws
+        schedule = type("S", (), {"p": 2})()
+        job = {"label": "labkit 1f1b pp=2 m=2 (fixed)"}
+
+        def title(self):
+            return "labkit 1f1b pp=2 m=2 (fixed) — measured (fixed compute)"
+
+    rows = []
+    for step, gap in ((0, 10), (1, 30)):
+        base = step * 1000
+        rows += [{"rank": 0, "name": "F", "kind": "compute", "start_ns": base, "end_ns": base + 100, "step": step},
+                 {"rank": 1, "name": "F", "kind": "compute", "start_ns": base + 100 + gap,
+                  "end_ns": base + 200 + gap, "step": step}]
+    run = Run()
+    run.timeline = pd.DataFrame(rows).assign(microbatch=0, stage=0, nbytes=0)
+    fig = ch.run_gantt(run)
+    text = fig.layout.title.text + str(fig.layout.title.subtitle.text or "")
+    assert "bubble of step 0" in text and "the table's median over 2 steps" in text
+    assert text.count("labkit 1f1b pp=2 m=2 (fixed)") == 1, text

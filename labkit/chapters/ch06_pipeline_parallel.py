@@ -60,8 +60,9 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatche
                   bubble_tol=0.05, timeout_s=180.0) -> dict:
     """Chapter 06's parameters, all checked before any launch (the chapter's first cell after its parameters).
 
-    Resolves the defaults (``n_microbatches`` None -> pp, the fewest every schedule runs with, where the bubble
-    is largest; ``global_batch_size`` None -> m, one sequence per micro-batch) and checks,
+    Resolves the defaults (``n_microbatches`` None -> 2 pp: twice the fewest every schedule runs with, so that
+    1F1B holds fewer micro-batches in flight than GPipe — at m = pp both hold all of them; the sweep keeps
+    m = pp, where the bubble is largest; ``global_batch_size`` None -> m, one sequence per micro-batch) and checks,
     each with a ValueError naming the value and the fix: world_size = pp >= 2; m enough for every schedule and
     a multiple of pp (interleaved); every sweep factor k a positive integer (m = k·pp); op_ms, bubble_tol
     (below 1) and timeout_s positive; steps >= 1; a dense, known ``spec_name`` with ``vocab_size`` and
@@ -88,7 +89,8 @@ def check_chapter(*, world_size, emulate=None, my_prediction=None, n_microbatche
     check_prediction(my_prediction, what="a number (1F1B's bubble with the last stage twice as slow, a fraction of "
                      "total time, e.g. 0.3) or a dict of them keyed " + ", ".join(PREDICTION_KEYS),
                      keys=PREDICTION_KEYS)
-    m = positive_int("n_microbatches", n_microbatches) if n_microbatches is not None else _min_chapter_microbatches(p)
+    m = (positive_int("n_microbatches", n_microbatches) if n_microbatches is not None
+         else 2 * _min_chapter_microbatches(p))
     gbs = positive_int("global_batch_size", global_batch_size) if global_batch_size is not None else m
     problem = _microbatch_problem(p, m, gbs)
     if problem:
@@ -318,12 +320,14 @@ def stage_busy_ms(run) -> list[float]:
 
 def balance_findings(layer_s: Sequence[float], equal: Sequence[int], balanced: Sequence[int],
                      eq_busy_ms: Sequence[float], bal_busy_ms: Sequence[float], eq_step_s: float, bal_step_s: float,
-                     *, m: int | None = None, near: float = 0.05) -> str:
+                     *, m: int | None = None, near: float = 0.05, spread: float = 0.0) -> str:
     """Why the balanced split did or did not pay, from the numbers: the slowest stage predicted from the layer
     times measured in one process (``layer_s``, s per layer) for each split, the busiest rank's F/B/W time per
     step measured in the pipeline runs (``*_busy_ms``), and the two median step times. ``near``: relative
     difference treated as "about the same"; ``m`` (micro-batches per step) lets it say how much longer the busiest
-    rank computed in the pipeline than the isolated layer times predict."""
+    rank computed in the pipeline than the isolated layer times predict. ``spread``: the runs' own timing spread
+    (:func:`step_spread`, relative); a step difference inside ``max(near, spread)`` is "about as fast", never
+    "paid" or "slower"."""
     equal, balanced = tuple(equal), tuple(balanced)
     if equal == balanced:
         return (f"balance_layers kept the equal split {equal}: the measured layer times are even enough that "
@@ -336,6 +340,8 @@ def balance_findings(layer_s: Sequence[float], equal: Sequence[int], balanced: S
             f"computed {me:.1f} ms per step with the equal split and {mb:.1f} ms with the balanced one, and the "
             f"step took {eq_step_s * 1e3:.1f} vs {bal_step_s * 1e3:.1f} ms (measured).")
     ratio = bal_step_s / eq_step_s
+    near = max(near, float(spread))
+    noise = f" (inside this run's timing spread of {spread:.0%})" if spread > 0 and abs(ratio - 1) <= near else ""
     slower_inside = (f" (the busiest rank computed {me / (m * pe):.1f}x longer per step than m = {m} micro-batches of "
                      "its isolated layer times predict)" if m else "")
     if ratio < 1 - near:
@@ -349,7 +355,14 @@ def balance_findings(layer_s: Sequence[float], equal: Sequence[int], balanced: S
                "(p2p hops, Python per op, the optimizer, ranks waiting for a core" + slower_inside + ") sets the "
                "step.")
     verdict = "slower" if ratio > 1 + near else "about as fast"
-    return text + f" The balanced split ran {verdict} ({ratio:.2f}x the equal split's step): " + why
+    return text + f" The balanced split ran {verdict} ({ratio:.2f}x the equal split's step{noise}): " + why
+
+
+def step_spread(run) -> float:
+    """The relative spread of a :class:`~labkit.experiments.pipeline.PipelineRun`'s timed steps (measured):
+    (slowest - fastest) / median of ``run.steps["step_s"]``; 0 for one step."""
+    s = run.steps["step_s"]
+    return float((s.max() - s.min()) / s.median()) if len(s) > 1 and s.median() > 0 else 0.0
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -393,9 +406,12 @@ def run_gantt(run, frame=None, label: str | None = None, step: int = 0):
     from labkit.experiments.pipeline import bubble_from_timeline
 
     df = frame if frame is not None else run.timeline
-    b = float(bubble_from_timeline(df, run.schedule.p)["bubble_fraction"].iloc[step])
-    what = label if frame is not None else run.title()
-    return idle_gantt(df, f"{run.job['label']} — {what}; bubble {b:.3f} of total time (grey: idle)", step)
+    per_step = bubble_from_timeline(df, run.schedule.p)["bubble_fraction"]
+    b, med = float(per_step.iloc[step]), float(per_step.median())
+    what = label if frame is not None else run.title().split(" — ", 1)[-1]
+    of = (f"bubble of step {step}: {b:.3f} of total time (the table's median over {len(per_step)} steps: "
+          f"{med:.3f})" if len(per_step) > 1 and f"{b:.3f}" != f"{med:.3f}" else f"bubble {b:.3f} of total time")
+    return idle_gantt(df, f"{run.job['label']} — {what}; {of}; grey: idle", step)
 
 
 def sim_gantt(schedule: str, p: int, m: int, costs: OpCosts, v: int = 1):
