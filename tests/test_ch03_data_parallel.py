@@ -40,7 +40,8 @@ def _fake(naive, bucket, predicted=None):
         for n in sizes:
             rows.append({"variant": variant, "n": n, "emulated_step_s": steps[n],
                          "efficiency": steps[1] / (n * steps[n]),
-                         "predicted_step_s": (predicted or naive)[n]})
+                         "predicted_step_s": (predicted or naive)[n],
+                         "predicted_comm_s": 0.0 if n == 1 else 0.1})
     table = pd.DataFrame(rows)
 
     def eff(variant="naive", n=None):
@@ -98,3 +99,16 @@ def test_carve_blocking_leaves_exposed_comm_on_the_rank_lane():
     b = out[out["name"] == "B"]
     assert b[["start_ns", "end_ns"]].values.tolist() == [[0, 50]]
     assert len(out[out["stream"] == "comm"]) == 2
+
+
+def test_the_gap_to_the_formula_is_placed_by_the_run_not_by_fixed_text():
+    """03 blamed "the optimizer" for any gap by fixed text; now n=1 (no all-reduce) says whether the compute
+    already differs, else the gap is the communication, with the run's numbers."""
+    compute = ch.strong_scaling_findings(_fake({1: 1.3, 2: 0.8, 4: 0.5}, {1: 1.3, 2: 0.8, 4: 0.45},
+                                               predicted={1: 1.0, 2: 0.6, 4: 0.35}))
+    assert "at n=1, compute alone, the emulated step is 1.30x the formula's C" in compute
+    assert "the gap is in the compute" in compute and "optimizer" not in compute
+    comm = ch.strong_scaling_findings(_fake({1: 1.0, 2: 0.6, 4: 0.4}, {1: 1.0, 2: 0.6, 4: 0.3},
+                                            predicted={1: 1.0, 2: 0.5, 4: 0.25}))
+    assert "the compute agrees, so the gap is the communication: 150.0 ms not under compute" in comm
+    assert "formula's all-reduce of 100.0 ms" in comm

@@ -242,10 +242,19 @@ def strong_scaling_findings(scaling: EmulatedScaling) -> str:
         out.append(f"Overlap does not pay here: at n={big} the bucketed step is {tb * 1e3:.1f} ms, naive "
                    f"{tn * 1e3:.1f} ms — the buckets' per-call latency outweighs what backward can hide.")
     ratio = tn / naive.loc[big, "predicted_step_s"]
-    out.append(f"The emulated naive step at n={big} is {ratio:.2f}x the formula C/n + all-reduce "
-               f"({naive.loc[big, 'predicted_step_s'] * 1e3:.1f} ms predicted)"
-               + (" — within 10 %." if abs(ratio - 1) <= 0.1 else
-                  " — the optimizer and the per-tensor memory traffic the formula leaves out make the difference."))
+    text = (f"The emulated naive step at n={big} is {ratio:.2f}x the formula C/n + all-reduce "
+            f"({naive.loc[big, 'predicted_step_s'] * 1e3:.1f} ms predicted)")
+    if abs(ratio - 1) <= 0.1:
+        out.append(text + " — within 10 %.")
+    else:  # where the gap is, from the run: n=1 has no all-reduce, so its ratio is the compute's alone
+        c1 = naive.loc[1, "emulated_step_s"] / naive.loc[1, "predicted_step_s"]
+        comm_pred = float(naive.loc[big, "predicted_comm_s"])
+        out.append(text + f": at n=1, compute alone, the emulated step is {c1:.2f}x the formula's C"
+                   + (" — the gap is in the compute the emulator charges the program's own operations, "
+                      "which the formula's FLOP count does not hold" if abs(c1 - 1) > 0.1 else
+                      f" — the compute agrees, so the gap is the communication: {exposed * 1e3:.1f} ms not under "
+                      f"compute at n={big} against the formula's all-reduce of {comm_pred * 1e3:.1f} ms")
+                   + ".")
     return " ".join(out)
 
 
