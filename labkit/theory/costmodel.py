@@ -348,7 +348,8 @@ def collective_choice(op: str, nbytes: float, n: int, nodes: int, ranks_per_node
 
 def ring_vs_tree(nbytes_list: Sequence[int], world_sizes: Sequence[int] = (8, 64, 1024),
                  intra: str = "nvlink4", inter: str = "ib-ndr", gpus_per_node: int = 8) -> list[dict]:
-    """Predicted all-reduce time, ring vs tree, for each size and world size (rows of a table).
+    """Predicted all-reduce time, ring vs tree (each forced, as ``NCCL_ALGO`` does), for each size and world size
+    (rows of a table).
 
     Each row: ``world_size, nodes, bytes, ring_s, tree_s, faster`` (``'ring'`` or ``'tree'``), all
     *predicted* by :func:`collective_time`, and ``source`` = ``"predicted"`` so a table of them says so.
@@ -358,7 +359,8 @@ def ring_vs_tree(nbytes_list: Sequence[int], world_sizes: Sequence[int] = (8, 64
     rows = []
     for n in world_sizes:
         for s in nbytes_list:
-            ring = collective_time("all_reduce", s, n, intra, inter, gpus_per_node=gpus_per_node)
+            ring = collective_time("all_reduce", s, n, intra, inter, gpus_per_node=gpus_per_node,
+                                   algorithm="ring")
             tree = collective_time("all_reduce", s, n, intra, inter, gpus_per_node=gpus_per_node,
                                    algorithm="tree")
             rows.append({"world_size": n, "nodes": _nodes(n, gpus_per_node)[0], "bytes": int(s),
