@@ -156,6 +156,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runtime workspace (default 1 GiB with --device, else 0)")
     o.add_argument("--unit", default="GiB", choices=("GiB", "GB", "MiB", "MB", "bytes"))
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    o.add_argument("--measure", action="store_true",
+                   help="also run the layout at full shapes under fake tensors (labkit.experiments.fullscale: one "
+                        "strategy at a time: --dp with --zero 0/1/2/3 or --shard-layout dim0 (FSDP2), --tp with --sp, "
+                        "or --pp) and print the column 'measured (fake tensors)' beside the prediction; minutes for "
+                        "a 70B model")
 
 
 def _shown(dest: str, value) -> str:
@@ -208,10 +213,65 @@ def _split(args, v):
                           last=v["last_stage_layers"])
 
 
+def _measure_strategy(args, v) -> tuple[str, int]:
+    """(strategy, degree) of labkit.experiments.fullscale for a --measure layout; ValueError otherwise."""
+    degrees = {k: getattr(args, k) for k in ("dp", "tp", "pp")}
+    used = [k for k, d in degrees.items() if d > 1] + [k for k in ("cp", "ep") if (v[k] or 1) > 1]
+    other = [OPTIONS[k][0] for k in ("recompute", "attention", "act_dtype", "activation_model", "kernels",
+                                     "optimizer", "convention", "vpp", "stage_layers") if getattr(args, k, None)]
+    if args.model is None or args.mode != "train" or len(used) != 1 or other:
+        raise ValueError("--measure runs one strategy of a preset's training step: --model NAME with exactly one of "
+                         "--dp N (--zero 0/1/2/3, --shard-layout dim0 for FSDP2), --tp N --sp, or --pp N "
+                         f"(got {', '.join(f'--{k}' for k in used) or 'no degree > 1'}"
+                         f"{'; not with ' + ', '.join(other) if other else ''}: the fake run uses bf16, torch AdamW, "
+                         "flash attention, no recompute)")
+    dim = used[0]
+    if dim == "dp":
+        z, lay = v["zero"], v["shard_layout"]
+        return ("fsdp2" if lay == "dim0" and z == 3 else "ddp" if z == 0 else f"zero{z}"), args.dp
+    if dim == "tp":
+        if not v["sp"]:
+            raise ValueError("--measure with --tp runs the lab's TP with sequence parallelism: add --sp")
+        return "tp_sp", args.tp
+    if dim == "pp":
+        return "pp", args.pp
+    raise ValueError(f"--measure does not run --{dim} yet (cp and ep are not wired); measure dp, tp + sp or pp")
+
+
+def _measure(args, v) -> int:
+    from labkit.experiments.fullscale import measure_memory
+
+    strategy, n = _measure_strategy(args, v)
+    r = measure_memory(args.model, strategy, n, seq_len=v["seq"], micro_batch_size=v["micro_batch_size"],
+                       n_microbatches=v["n_microbatches"] if args.pp > 1 else None, device=args.device)
+    if args.json:
+        print(json.dumps(r, indent=2, default=str))
+        return 0
+    div = {"GiB": 2**30, "GB": 1e9, "MiB": 2**20, "MB": 1e6, "bytes": 1}[args.unit]
+    print(f"model: {args.model}, {strategy} over {n} ranks, seq {r['seq_len']}, micro-batch {r['micro_batch_size']}"
+          + (f", {r['n_microbatches']} micro-batches, stage {r['stage']} (the highest measured peak)"
+             if strategy == "pp" else "") + f"; bytes per rank in {args.unit}")
+    print(f"{'category':<14} {'predicted':>12} {'measured (fake tensors)':>24}")
+    for k in ("parameters", "gradients", "optimizer", "activations", "temporary", "communication"):
+        me = r["measured"].get(k)
+        print(f"{k:<14} {r['predicted'][k] / div:>12.3f} {me / div if me is not None else float('nan'):>24.3f}")
+    print(f"{'peak':<14} {r['predicted_peak_bytes'] / div:>12.3f} {r['measured_peak_bytes'] / div:>24.3f}   "
+          f"ratio {r['ratio']:.3f}, peak in the {r['peak_phase']}"
+          + (f" ({r['peak_module']})" if r["peak_module"] else ""))
+    print("  predicted: labkit.theory.memory (torch-bf16 convention, cpu kernels' saved tensors, no headroom or "
+          "workspace); measured (fake tensors): torch MemTracker at full shapes (communication buffers are "
+          "counted in its temporary)")
+    if r.get("verdict"):
+        print(f"  {r['verdict']}")
+    return 0
+
+
 def run(args) -> int:
     from labkit.theory import memory as m
 
     case, v = resolve(args)
+    if getattr(args, "measure", False):
+        return _measure(args, v)
     common = dict(model=args.model if args.model is not None else args.params, dp=args.dp, tp=args.tp, pp=args.pp,
                   cp=v["cp"], ep=v["ep"], device=args.device, headroom=args.headroom,
                   workspace_bytes=args.workspace_bytes)

@@ -85,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true",
                    help="show every mesh: all ranked ones and all rejected ones (rank null in --json, with their "
                         "rules and reason); overrides --top and --rejected, in the table and with --json")
+    p.add_argument("--emulate", type=int, default=None, metavar="N",
+                   help="also emulate the top N meshes from fake-tensor traces at full shapes (one traced rank per "
+                        "pipeline stage; labkit.experiments.fullscale.emulate_candidates) beside the predicted step "
+                        "time; minutes per mesh")
     p.add_argument("--json", action="store_true",
                    help="print the ranked candidates as a JSON list (dp, tp, pp, cp, ep, fits, peak_bytes_per_gpu, "
                         "step_time_s, ...)")
@@ -132,6 +136,22 @@ def run(args) -> int:
                           convention=args.convention, activations=args.activations, schedules=args.schedules,
                           max_vpp=args.max_vpp, nics_per_node=args.nics_per_node, layers_per_stage=args.stage_layers,
                           first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+    if args.emulate is not None:
+        from labkit.experiments.fullscale import emulate_candidates
+
+        rows = emulate_candidates(result.candidates, args.model, args.gpu, seq_len=args.seq_len,
+                                  n=positive_int("--emulate", args.emulate))
+        if args.json:
+            print(json.dumps(rows, indent=2, default=str))
+            return 0
+        print(result.table(top=top, n_rejected=n_rejected))
+        print("\nemulated from fake traces (full shapes) beside predicted (labkit.theory.planner), step seconds:")
+        for r in rows:
+            em = f"{r['emulated_s']:.4g}" if r["emulated_s"] is not None else "-"
+            ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+            print(f"  #{r['rank']} dp{r['dp']} tp{r['tp']} pp{r['pp']} cp{r['cp']} ep{r['ep']}: predicted "
+                  f"{r['predicted_s']:.4g}, {r['label'] or 'emulated'} {em}, ratio {ratio}; {r['note']}")
+        return 0
     if args.all:
         top, n_rejected = len(result.candidates), len(result.rejected)
     if args.json:

@@ -139,18 +139,28 @@ def fake_world(rank: int, world_size: int):
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; a fake world needs its own process")
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    orig_init = _dm.DeviceMesh.__init__
+    orig_init, orig_make = _dm.DeviceMesh.__init__, _dm.init_device_mesh
+    holders = [m for m in (_dm, dist, sys.modules.get("labkit.parallel.mesh"))
+               if m is not None and getattr(m, "init_device_mesh", None) is orig_make]
 
     def mesh_init(self, *a, **k):
         with unset_fake_temporarily():
             orig_init(self, *a, **k)
 
+    def make_mesh(*a, **k):  # the rank table is data: built outside fake mode
+        with unset_fake_temporarily():
+            return orig_make(*a, **k)
+
     _dm.DeviceMesh.__init__ = mesh_init
+    for m in holders:
+        m.init_device_mesh = make_mesh
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode
     finally:
         _dm.DeviceMesh.__init__ = orig_init
+        for m in holders:
+            m.init_device_mesh = orig_make
         dist.destroy_process_group()
 
 
@@ -242,6 +252,9 @@ def child_main(argv: list[str]) -> int:
 
     d = Path(argv[0])
     job = pickle.loads((d / "job.pkl").read_bytes())
+    for entry in reversed(job.get("sys_path", [])):  # the caller's import path (never its working directory)
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
     payload = cloudpickle.loads(job["payload"])
     fn, args, kwargs = payload["fn"], payload["args"], payload["kwargs"]
     torch_threads = int(job.get("threads", 1))
@@ -265,7 +278,7 @@ def child_main(argv: list[str]) -> int:
 # the caller's side
 # ------------------------------------------------------------------------------------------------------
 def launch_fake(fn, world_size: int, *args, roles=None, emulate=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                threads: int = 1, dims=None, **kwargs):
+                threads: int = 1, dims=None, record: bool = False, **kwargs):
     """Run ``fn(ctx, *args, **kwargs)`` as every traced rank of a fake world of ``world_size`` ranks, in one
     child process (module docstring), and return a :class:`labkit.runtime.launcher.LaunchResult` with one
     entry per rank (a rank that was not traced gets its representative's result, the same object).
@@ -279,6 +292,8 @@ def launch_fake(fn, world_size: int, *args, roles=None, emulate=None, timeout_s:
         dims: the ParallelDims mesh that ``roles`` folds (needed to relabel traces when emulating with roles).
         timeout_s: wall-clock limit for the child (seconds); on expiry it is killed and TimeoutError raised.
         threads: torch intra-op threads in the child (fake ops do no arithmetic: 1 is enough).
+        record: record the traced ranks' traces without replaying them (``result.fake_traces``: traced rank ->
+            its trace), for a caller that prices or relabels them itself.
 
     Returns the LaunchResult (``backend="fake"``, ``wall_s`` measured), with ``roles`` (rank -> traced rank),
     ``traced`` (the traced ranks) and ``trace_s`` (seconds per traced rank, measured).
@@ -291,7 +306,7 @@ def launch_fake(fn, world_size: int, *args, roles=None, emulate=None, timeout_s:
 
     from labkit.checks import positive_float, positive_int
     from labkit.runtime.launcher import LaunchResult
-    from labkit.runtime.safepath import boot_argv
+    from labkit.runtime.safepath import boot_argv, shipped_sys_path
     from labkit.runtime.shipping import ship
 
     world_size = positive_int("world_size", world_size)
@@ -315,7 +330,8 @@ def launch_fake(fn, world_size: int, *args, roles=None, emulate=None, timeout_s:
     with tempfile.TemporaryDirectory(prefix="labkit-fake-") as tmp:
         d = Path(tmp)
         (d / "job.pkl").write_bytes(pickle.dumps({"payload": payload, "world_size": world_size, "traced": traced,
-                                                  "trace": plan is not None, "threads": threads}))
+                                                  "trace": plan is not None or record,
+                                                  "threads": threads, "sys_path": shipped_sys_path()}))
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         try:
             proc = subprocess.run(boot_argv("labkit.runtime.fake", "child_main", [str(d)]), env=env,
@@ -335,6 +351,7 @@ def launch_fake(fn, world_size: int, *args, roles=None, emulate=None, timeout_s:
     results = [out["results"][role[r]] for r in range(world_size)]
     res = LaunchResult(results, pd.DataFrame(), world_size, "fake", wall)
     res.roles, res.traced, res.trace_s = role, traced, out["seconds"]
+    res.fake_traces = out["traces"] if record else None
     if plan is not None:
         traces = expand_traces(out["traces"], role, dims)
         from labkit.runtime import emulate as _em
