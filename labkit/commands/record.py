@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
+import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -58,14 +61,110 @@ def _parts(text: str) -> list[str]:
     return parts
 
 
+def load_record_module():
+    """:mod:`labkit.experiments.record`, imported without ``labkit/experiments/__init__.py`` where that cannot
+    be imported (it imports pandas; a bare python3 + torch has none): the package is then a bare module whose
+    path is the folder, so only ``record.py`` (torch and the standard library) is loaded."""
+    try:
+        from labkit.experiments import record
+    except ImportError:
+        import types
+
+        sys.modules.pop("labkit.experiments", None)
+        pkg = types.ModuleType("labkit.experiments")
+        pkg.__path__ = [str(Path(__file__).resolve().parent.parent / "experiments")]
+        sys.modules["labkit.experiments"] = pkg
+        from labkit.experiments import record
+    return record
+
+
+class _BareContext:
+    """The part of :class:`labkit.runtime.rank.RankContext` the recording's rank functions use."""
+
+    def __init__(self, rank, world_size, device):
+        from labkit.runtime.rank import RankContext
+
+        self._ctx = RankContext(rank, world_size, rank, world_size, 0, "nccl" if device.type == "cuda" else "gloo",
+                                device)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def track_async(self, work, name, nbytes=0):
+        return work  # no CommLog here (it needs pandas): the caller waits on the work itself
+
+
+def _spawn_entry(rank, world_size, port, fn_name, args, kwargs, queue):
+    import torch
+    import torch.distributed as dist
+
+    fn = getattr(load_record_module(), fn_name)
+
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    device = torch.device(f"cuda:{rank}") if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    try:
+        queue.put((rank, "ok", fn(_BareContext(rank, world_size, device), *args, **kwargs)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+        queue.put((rank, "error", f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn_name: str, world_size: int, *args, timeout_s: float = 600.0, **kwargs) -> list:
+    """``fn(ctx, *args, **kwargs)`` for the function ``fn_name`` of :mod:`labkit.experiments.record` on
+    ``world_size`` spawned processes (torch.multiprocessing; the store on
+    127.0.0.1), NCCL with one GPU per rank when there are enough, else gloo on CPU. Every rank is killed after
+    ``timeout_s``; raises RuntimeError naming the rank that failed or the timeout."""
+    import queue as queuelib
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mpctx = mp.get_context("spawn")
+    q = mpctx.Queue()
+    procs = [mpctx.Process(target=_spawn_entry, args=(r, world_size, port, fn_name, args, kwargs, q), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, deadline = {}, time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"record: ranks timed out after {timeout_s:g} s")
+            try:
+                rank, status, value = q.get(timeout=min(left, 1.0))
+            except queuelib.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RuntimeError(f"record: rank {dead[0]} exited with status {procs[dead[0]].exitcode}") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"record: rank {rank} failed: {value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]
+
+
 def record(out, *, machine: str = "this machine", world_size: int | None = None, max_size=None,
            quick: bool = False, parts=PARTS, timeout_s: float = 900.0, log=print) -> Path:
     """Measure and write ``out/recording.csv`` and ``out/identity.json``; returns the CSV's path. Raises
     ValueError for a bad argument (before anything runs) and RuntimeError when a part's ranks fail."""
     import torch
 
-    from labkit.experiments import record as rec
-
+    rec = load_record_module()
     parts = _parts(",".join(parts) if not isinstance(parts, str) else parts)
     on_gpu = torch.cuda.is_available()
     n_gpus = torch.cuda.device_count() if on_gpu else 0
@@ -84,8 +183,6 @@ def record(out, *, machine: str = "this machine", world_size: int | None = None,
     out.mkdir(parents=True, exist_ok=True)
     ident = rec.identity(machine)
     # the ranks' threads: launch gives each rank cores // world_size (labkit.runtime.rank.cpu_threads_per_rank)
-    import os
-
     threads = max(1, (os.cpu_count() or 1) // world_size) if not on_gpu or n_gpus < world_size else 0
     kernel_ws = world_size if (not on_gpu or n_gpus >= world_size) else 1
     dtypes = ("float32", "bfloat16", "float16") if on_gpu else ("float32",)

@@ -484,90 +484,16 @@ def full_launch_available() -> bool:
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, **kwargs) -> list:
     """Every rank's return value of ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks: :func:`labkit.launch`
-    (gloo on CPU, NCCL with a GPU per rank) when the lab is installed, else :func:`spawn_ranks`. Raises what
+    (gloo on CPU, NCCL with a GPU per rank) when the lab is installed, else
+    :func:`labkit.commands.record.spawn_ranks` (``fn`` must be a function of this module). Raises what
     the launcher raises (a LaunchError on a rank's failure or the timeout)."""
     if full_launch_available():
         from labkit.runtime.launcher import launch
 
         return list(launch(fn, world_size, *args, timeout_s=timeout_s, **kwargs))
-    return spawn_ranks(fn, world_size, *args, timeout_s=timeout_s, **kwargs)
+    from labkit.commands.record import spawn_ranks
 
-
-class _BareContext:
-    """The part of :class:`labkit.runtime.rank.RankContext` the recording's rank functions use."""
-
-    def __init__(self, rank, world_size, device):
-        from labkit.runtime.rank import RankContext
-
-        self._ctx = RankContext(rank, world_size, rank, world_size, 0, "nccl" if device.type == "cuda" else "gloo",
-                                device)
-
-    def __getattr__(self, name):
-        return getattr(self._ctx, name)
-
-    def track_async(self, work, name, nbytes=0):
-        return work  # no CommLog here (it needs pandas): the caller waits on the work itself
-
-
-def _spawn_entry(rank, world_size, port, fn, args, kwargs, queue):
-    import torch
-    import torch.distributed as dist
-
-    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-    device = torch.device(f"cuda:{rank}") if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=300))
-    try:
-        queue.put((rank, "ok", fn(_BareContext(rank, world_size, device), *args, **kwargs)))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        queue.put((rank, "error", f"{type(e).__name__}: {e}"))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, **kwargs) -> list:
-    """``fn(ctx, *args, **kwargs)`` on ``world_size`` spawned processes (torch.multiprocessing; the store on
-    127.0.0.1), NCCL with one GPU per rank when there are enough, else gloo on CPU. Every rank is killed after
-    ``timeout_s``; raises RuntimeError naming the rank that failed or the timeout."""
-    import queue as queuelib
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mpctx = mp.get_context("spawn")
-    q = mpctx.Queue()
-    procs = [mpctx.Process(target=_spawn_entry, args=(r, world_size, port, fn, args, kwargs, q), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out, deadline = {}, time.monotonic() + timeout_s
-    try:
-        while len(out) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"record: ranks timed out after {timeout_s:g} s")
-            try:
-                rank, status, value = q.get(timeout=min(left, 1.0))
-            except queuelib.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
-                    raise RuntimeError(f"record: rank {dead[0]} exited with status {procs[dead[0]].exitcode}") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"record: rank {rank} failed: {value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world_size)]
+    return spawn_ranks(fn.__name__, world_size, *args, timeout_s=timeout_s, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------
