@@ -77,6 +77,36 @@ def show_in(out, obj=None) -> None:
     out.outputs = () if obj is None else ({"output_type": "display_data", "data": mime_bundle(obj), "metadata": {}},)
 
 
+def headless(box):
+    """``box`` (an ipywidgets container, returned) displayed as its figure where no widget frontend runs: its
+    display data keeps the widget view (a live notebook draws the controls) and adds the current figure's
+    bundle from every ``Output`` inside it, with an empty ``text/plain`` — an executed copy (papermill,
+    ``labkit run``) shows the figure, never ``VBox(children=...)``."""
+    import ipywidgets as w
+
+    original = box._repr_mimebundle_
+
+    def outputs(widget):
+        if isinstance(widget, w.Output):
+            yield from widget.outputs
+        for child in getattr(widget, "children", ()):
+            yield from outputs(child)
+
+    def bundle(**kwargs):
+        data = original(**kwargs) or {}
+        data, meta = (data if isinstance(data, tuple) else (data, None))
+        data = dict(data)
+        for out in outputs(box):
+            for key, value in out.get("data", {}).items():
+                if key != "text/plain":
+                    data.setdefault(key, value)
+        data["text/plain"] = ""
+        return (data, meta) if meta is not None else data
+
+    box._repr_mimebundle_ = bundle
+    return box
+
+
 def memory_bars(budgets: Mapping[str, mem.MemoryEstimate | Mapping[str, int]], *, unit: str = "GiB",
                 title: str = "Predicted memory per rank", device_bytes: int | None = None,
                 height: int = 420) -> go.Figure:
@@ -198,7 +228,7 @@ def memory_panel(model: str = "llama-3-8b", *, device: str | None = "h100-80gb",
     box = w.VBox([w.HBox([w.VBox(list(ctl.values())[:6]), w.VBox(list(ctl.values())[6:])]), verdict, out])
     box.estimate = lambda: state["est"]
     box.figure = lambda: state["fig"]
-    return box
+    return headless(box)
 
 
 #: one colour per part of a predicted step (labkit.theory.planner.TIME_PARTS)
@@ -322,7 +352,7 @@ def planner_panel(model: str = "llama-3-70b", *, gpus: int = 1024, gpu: str = "h
     box = w.VBox([w.HBox([w.VBox(list(ctl.values())[:4]), w.VBox(list(ctl.values())[4:])]), info, out])
     box.plan = lambda: state["plan"]
     box.figure = lambda: state["fig"]
-    return box
+    return headless(box)
 
 
 def grid_figure(dims, gpus_per_node: int | None = None, *, title: str | None = None, height: int | None = None):

@@ -105,3 +105,16 @@ def test_panels_under_nbclient_register_no_output_hook(tmp_path):
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     outs = [m["state"].get("outputs", []) for m in state.values() if m["model_name"] == "OutputModel"]
     assert len(outs) == 2 and all(len(o) == 1 and PLOTLY_MIME in o[0]["data"] for o in outs)
+
+
+def test_panels_display_as_their_figure_where_no_widget_frontend_runs():
+    """A headless run (papermill, labkit run) printed 'VBox(children=(HBox(...' for every panel: its display
+    data now carries the current figure beside the widget view, and no repr text."""
+    from labkit import widgets
+
+    panel = widgets.memory_panel("llama-3-8b", device="h100-80gb", dp=8, tp=1)
+    data = panel._repr_mimebundle_()
+    data = data[0] if isinstance(data, tuple) else data
+    assert data["text/plain"] == "" and "VBox" not in str(data.get("text/plain"))
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert "application/vnd.plotly.v1+json" in data or "text/html" in data, sorted(data)

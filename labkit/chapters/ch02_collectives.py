@@ -353,7 +353,7 @@ def cluster_panel(emulated: dict, measured: pd.DataFrame | None = None):
 
     from labkit.experiments.emulate import sweep_table
     from labkit.theory.cluster import clusters, get_cluster
-    from labkit.widgets import show_in
+    from labkit.widgets import headless, show_in
 
     em, n = emulated["emulation"], emulated["world_size"]
     names = [k for k, c in clusters().items() if n in c.valid_world_sizes(n)]
@@ -374,7 +374,7 @@ def cluster_panel(emulated: dict, measured: pd.DataFrame | None = None):
     redraw()
     box = w.VBox([pick, out])
     box.figure = lambda: state["fig"]
-    return box
+    return headless(box)  # an executed copy shows the figure, not VBox(children=...)
 
 
 def timing_trap_finding(cmp: pd.DataFrame) -> str:

@@ -351,7 +351,7 @@ def scaling_panel(scaling: EmulatedScaling, *, clusters=None, seq_lens=(128, 512
     import ipywidgets as w
 
     from labkit.theory.cluster import clusters as all_clusters
-    from labkit.widgets import show_in
+    from labkit.widgets import headless, show_in
 
     names = list(clusters or sorted(all_clusters()))
     state = {"base": scaling, "now": scaling, "per_rank": 1}
@@ -378,7 +378,7 @@ def scaling_panel(scaling: EmulatedScaling, *, clusters=None, seq_lens=(128, 512
     box = w.VBox([w.HBox([cl, sl, sq]), out, words])
     box.scaling = lambda: state["now"]
     redraw()
-    return box
+    return headless(box)  # an executed copy shows the figure, not VBox(children=...)
 
 
 def check_measured(res, wire, *, model: str, steps: int, global_batch_size: int, seq_len: int) -> None:

@@ -478,7 +478,7 @@ def schedule_panel(p: int, m: int, op_ms: float):
     stage is; the Gantt (bubble as idle) and its bubble fraction redraw on every change. Returns the VBox."""
     import ipywidgets as w
 
-    from labkit.widgets import show_in
+    from labkit.widgets import headless, show_in
 
     style = {"description_width": "120px"}
     ctl = {"schedule": w.Dropdown(options=list(sim.SCHEDULES), value="1f1b", description="schedule", style=style),
@@ -498,4 +498,4 @@ def schedule_panel(p: int, m: int, op_ms: float):
     for c in ctl.values():
         c.observe(redraw, names="value")
     redraw()
-    return w.VBox([w.HBox(list(ctl.values())), out])
+    return headless(w.VBox([w.HBox(list(ctl.values())), out]))  # an executed copy shows the figure

@@ -434,7 +434,7 @@ def loop_panel(df, clusters=("dgx-h100", "dgx-a100", "pcie-4090", "ib-h100-1nic"
     import ipywidgets as w
 
     from labkit.experiments import mesh_loop
-    from labkit.widgets import show_in
+    from labkit.widgets import headless, show_in
 
     if df is None:
         return None
@@ -453,7 +453,7 @@ def loop_panel(df, clusters=("dgx-h100", "dgx-a100", "pcie-4090", "ib-h100-1nic"
     redraw()
     box = w.VBox([pick, out, text])
     box.table = lambda: state["table"]
-    return box
+    return headless(box)  # an executed copy shows the figure, not VBox(children=...)
 
 
 def check_loop(df, tolerance: float) -> None:

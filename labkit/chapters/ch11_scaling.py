@@ -309,7 +309,7 @@ def emulated_panel(series: pd.DataFrame, emulated: pd.DataFrame | None,
     import ipywidgets as w
 
     from labkit.experiments.scaling_emulated import cluster_of, reprice
-    from labkit.widgets import show_in
+    from labkit.widgets import headless, show_in
 
     if emulated is None:
         return None
@@ -336,7 +336,7 @@ def emulated_panel(series: pd.DataFrame, emulated: pd.DataFrame | None,
     redraw()
     box = w.VBox([w.HBox([pick, gpn]), out, text])
     box.emulated = lambda: state["emulated"]
-    return box
+    return headless(box)  # an executed copy shows the figure, not VBox(children=...)
 
 
 # ------------------------------------------------------------------------------------------------------
