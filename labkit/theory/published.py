@@ -356,6 +356,30 @@ def fit_sustained(*, path: str | Path | None = None, lo: float = 0.40, hi: float
     return {"value": value, "rows": rows, "residuals": residuals}
 
 
+def store_fit(fit: dict | None = None, path: str | Path | None = None) -> dict:
+    """Write :func:`fit_sustained`'s value and residuals into validation.yaml's ``fitted.sustained_fraction``
+    (the ``value:`` and ``residuals:`` lines, in place; comments kept) and return the fit. Run it after a change
+    to the model (tests/test_training_validation.py fails while the stored value is stale)."""
+    import json
+    import re
+
+    fit = fit or fit_sustained()
+    target = Path(path or published_dir() / "validation.yaml")
+    text = target.read_text(encoding="utf-8")
+    value = "{" + ", ".join(f"{k}: {v}" for k, v in fit["value"].items()) + "}"
+    res = "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in fit["residuals"].items()) + "}"
+    block = text.index("  sustained_fraction:")
+    head, tail = text[:block], text[block:]
+    tail = re.sub(r"(?m)^    value: .*$", f"    value: {value}", tail, count=1)
+    tail = re.sub(r"(?m)^    residuals: .*$", f"    residuals: {res}", tail, count=1)
+    target.write_text(head + tail, encoding="utf-8")
+    _read_yaml.cache_clear()
+    from labkit.theory import steptime
+
+    steptime.sustained_fraction.cache_clear()
+    return fit
+
+
 def validation_table(rows: list[dict] | None = None) -> str:
     """The rows of :func:`validate_published` as aligned text (role, mesh, the source's schedule and recompute,
     predicted and published MFU, ratio, the published configuration's rank among the planner's meshes and its
