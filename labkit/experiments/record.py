@@ -558,14 +558,16 @@ def _frame_steps(frame) -> list[tuple[int, float]]:
 
 
 def validate_runs(profile: str, *, runs=tuple(STEP_RUNS), steps: int = 5, timeout_s: float = 300.0,
-                  tolerance: float = VALIDATE_TOLERANCE, **sizes) -> list[dict]:
+                  tolerance: float = VALIDATE_TOLERANCE, reprice: dict | None = None, **sizes) -> list[dict]:
     """The lab's DP, TP and PP steps (:func:`step_rank`, world size 2) run twice each through
     :func:`labkit.launch`: plainly (``measured_s``: the fastest step after the first, slowest rank, host clock)
     and emulated on ``profile`` (``emulated_s``: the same steps on the emulated clock of
     ``launch(..., emulate=profile)``). Returns one row per run: ``run``, ``world_size``, ``measured_s``,
     ``emulated_s``, ``ratio`` (emulated / measured), ``within`` (|ratio - 1| <= ``tolerance``) and the labels
-    ``measured (this machine)`` / ``emulated (<profile>)``. Raises ValueError for an unknown run or profile
-    (before anything starts) and LaunchError when a launch fails."""
+    ``measured (this machine)`` / ``emulated (<profile>)``; with ``reprice`` ({name: profile}), ``repriced``:
+    {name: the same emulated step on that profile} (the same traces replayed: :meth:`Emulation.reprice`).
+    Raises ValueError for an unknown run or profile (before anything starts) and LaunchError when a launch
+    fails."""
     from labkit.checks import check_choice
     from labkit.runtime.emulate import resolve
     from labkit.runtime.launcher import launch
@@ -583,4 +585,7 @@ def validate_runs(profile: str, *, runs=tuple(STEP_RUNS), steps: int = 5, timeou
         out.append({"run": run, "mesh": f"dp{dp} tp{tp} pp{pp}", "world_size": 2, "measured_s": m, "emulated_s": e,
                     "ratio": e / m, "within": abs(e / m - 1) <= tolerance, "measured_label": "measured (this machine)",
                     "emulated_label": label})
+        if reprice:
+            out[-1]["repriced"] = {k: step_seconds(_frame_steps(res.emulation.reprice(v).retime(res.timeline)))
+                                   for k, v in reprice.items()}
     return out
