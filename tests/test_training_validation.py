@@ -173,3 +173,13 @@ def test_user_csv_bad_input_is_one_line(tmp_path, capsys):
     gpu = _write(tmp_path / "gpu.csv", [dict(USER_ROW, gpu="H100")])
     assert cli_main(["plan", "--validate", str(gpu)]) == 2
     assert "gpu='H100'" in capsys.readouterr().err
+
+
+def test_a100_defaults_to_its_dgx_network():
+    """Issue 26: --gpu a100-80gb defaulted to InfiniBand NDR though the dgx-a100 profile says HDR."""
+    assert steptime.default_inter_link("a100-80gb") == "ib-hdr"
+    assert steptime.default_inter_link("h100-80gb") == "ib-ndr"
+    p = planner.plan("llama-3-8b", gpus=64, gpu="a100-80gb", seq_len=4096, global_batch_size=64)
+    assert p.inputs["inter_link"] == "ib-hdr"
+    assert planner.plan("llama-3-8b", gpus=64, gpu="a100-80gb", seq_len=4096, global_batch_size=64,
+                        inter_link="ib-ndr").inputs["inter_link"] == "ib-ndr"

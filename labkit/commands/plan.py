@@ -41,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, help="world size: GPUs in the cluster; required unless --validate")
     p.add_argument("--gpu", default="h100-80gb", help="GPU from data/hardware.yaml (e.g. h100-80gb)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs joined by NVLink in one node")
-    p.add_argument("--inter-link", default=planner.DEFAULT_INTER_LINK,
-                   help="link between nodes, one NIC's (data/hardware.yaml)")
+    p.add_argument("--inter-link", default=None,
+                   help="link between nodes, one NIC's (data/hardware.yaml); default: the GPU's own cluster profile's "
+                        "(ib-hdr for a100-80gb as in DGX A100, ib-ndr for h100-80gb)")
     p.add_argument("--nics-per-node", type=int, default=None,
                    help="NICs per node (default: one per GPU, rail-optimised as DGX nodes)")
     p.add_argument("--seq", type=int, default=4096, dest="seq_len", help="tokens per sequence")

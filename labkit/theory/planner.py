@@ -378,7 +378,7 @@ def _setup(model, *, gpus, global_batch_size, seq_len, gpu, gpus_per_node, micro
 
 def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: str = "h100-80gb",
          gpus_per_node: int = 8, micro_batch_sizes=(1,), zero: int = 1, recompute: str = "auto",
-         sequence_parallel: bool = True, mfu: float | None = None, inter_link: str = DEFAULT_INTER_LINK,
+         sequence_parallel: bool = True, mfu: float | None = None, inter_link: str | None = None,
          headroom: float = mem.DEFAULT_HEADROOM, convention: str = DEFAULT_CONVENTION,
          activations: str = DEFAULT_ACTIVATIONS, max_tp: int | None = None, ep_choices=None,
          schedules=SCHEDULE_CHOICES, max_vpp: int = MAX_VPP, nics_per_node: int | None = None,
@@ -390,8 +390,9 @@ def plan(model, *, gpus: int, global_batch_size: int, seq_len: int = 4096, gpu: 
         model: a ModelSpec or a preset name (data/models.yaml).
         gpus: world size. global_batch_size: sequences per step. seq_len: tokens per sequence.
         gpu: a GPU of data/hardware.yaml with memory, peak bf16 FLOP/s and NVLink (:func:`plannable_gpus`).
-        gpus_per_node: GPUs joined by NVLink; nodes are joined by ``inter_link`` through ``nics_per_node`` NICs
-            (None: one per GPU, rail-optimised).
+        gpus_per_node: GPUs joined by NVLink; nodes are joined by ``inter_link`` (None: the GPU's own cluster
+            profile's network, :func:`labkit.theory.steptime.default_inter_link`: ib-hdr for A100, ib-ndr for
+            H100) through ``nics_per_node`` NICs (None: one per GPU, rail-optimised).
         micro_batch_sizes: micro-batch sizes to try for every mesh.
         zero: ZeRO stage over dp·cp (1 = Megatron's distributed optimizer). recompute: ``auto`` (least that
             fits) or one of none / selective / full. sequence_parallel: with tp > 1.

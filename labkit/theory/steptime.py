@@ -64,6 +64,16 @@ def sustained_fraction(gpu: str) -> float:
     return float((fit.get("value") or {}).get(gpu, 1.0))
 
 
+def default_inter_link(gpu: str) -> str:
+    """The network between nodes for ``gpu`` when none is given: the ``inter`` link of the first cluster profile
+    of data/hardware.yaml built on that GPU (dgx-h100: ib-ndr; dgx-a100: ib-hdr, the DGX A100's 200 Gb/s
+    ConnectX-6 HDR ports), else :data:`DEFAULT_INTER_LINK`."""
+    for prof in (costmodel.hardware().get("clusters") or {}).values():
+        if prof.get("device") == gpu and prof.get("inter"):
+            return prof["inter"]
+    return DEFAULT_INTER_LINK
+
+
 def plannable_gpus() -> list[str]:
     """GPUs of data/hardware.yaml the planner can use: those with memory, a dense bf16 peak and an NVLink."""
     return sorted(n for n, d in costmodel.devices().items()
@@ -120,9 +130,10 @@ class Topology:
         return (self.peak_flops, bw, kp)
 
     @classmethod
-    def of(cls, gpu: str, gpus_per_node: int = 8, inter: str = DEFAULT_INTER_LINK,
+    def of(cls, gpu: str, gpus_per_node: int = 8, inter: str | None = None,
            nics_per_node: int | None = None, sustained: float | None = None) -> Topology:
-        """The topology of ``gpu`` (a name of :func:`plannable_gpus`); ``nics_per_node`` None -> one per GPU.
+        """The topology of ``gpu`` (a name of :func:`plannable_gpus`); ``inter`` None -> the GPU's own cluster
+        profile's network (:func:`default_inter_link`); ``nics_per_node`` None -> one per GPU.
         ``sustained``: the fraction of the kernels' benchmark rate (GEMM and attention efficiency) a training
         run sustains; None = the value fitted on the calibration rows (:func:`sustained_fraction`).
         Raises ValueError for an unknown GPU or link, or a count < 1 (or above :data:`mem.MAX_DEGREE`)."""
@@ -134,6 +145,7 @@ class Topology:
         kp = kp.replace(gemm_efficiency=kp.gemm_efficiency * f, attention_efficiency=kp.attention_efficiency * f)
         g = mem.bounded_int("gpus_per_node", gpus_per_node, mem.MAX_DEGREE)
         nics = g if nics_per_node is None else mem.bounded_int("nics_per_node", nics_per_node, mem.MAX_DEGREE)
+        inter = default_inter_link(gpu) if inter is None else inter
         return cls(gpu, g, costmodel.get_link(d["nvlink"]), costmodel.get_link(inter),
                    float(d["peak_bf16_tflops"]) * 1e12, mem.usable_bytes(d), costmodel.base_latency_s("ring"), nics,
                    int(d["memory_bytes"]), float(d.get("hbm_gbps", d.get("memory_gbps", 0.0))), kp)
