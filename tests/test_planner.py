@@ -19,6 +19,16 @@ PEAK, NVLINK, IB = 989e12, 450e9, 50e9
 BASE, HOP_NV, HOP_IB = 6.6e-6, 0.6e-6, 2.7e-6
 
 
+def _price(op, nbytes, n, nodes, k):
+    """One collective as the cost model prices it (labkit.theory.nccl: NCCL's algorithm/protocol choice on the
+    fitted bus bandwidths, checked against published nccl-tests rows in tests/test_nccl_model.py), with its
+    per-call latency; the planner's own arithmetic (counts, overlap, bubbles) stays by hand."""
+    from labkit.theory import costmodel
+
+    return costmodel.placed_collective_time(op, nbytes, n, nodes, k, intra="nvlink4", inter="ib-ndr",
+                                            nics_per_node=k)
+
+
 @pytest.fixture(scope="module")
 def hand_plan():
     # 4 H100s in 2 nodes of 2: every mesh of 4 ranks is valid for this model
@@ -48,7 +58,7 @@ def test_small_case_by_hand(hand_plan):
     c = by_mesh(hand_plan, dp=2, tp=2)
     assert c.n_microbatches == 4 and c.links["tp"] == "nvlink4" and c.links["dp"] == "ib-ndr"
     s_act = 1 * 1024 * 1024 * 2  # b * s * h * 2 bytes
-    ar_tp = BASE + 2 * 1 * HOP_NV + 2 * (1 / 2) * s_act / NVLINK  # ring all-reduce on 2 ranks, 2(n-1) steps
+    ar_tp = _price("all_reduce", s_act, 2, 1, 2)  # an all-reduce on 2 ranks of one node
     tp_s = 4 * 4 * 4 * ar_tp  # m=4 micro-batches x 4 layers x 4 all-reduces (2 forward, 2 backward)
     # ZeRO-1 over dp=2 (Megatron's distributed optimizer, the planner's default convention): reduce-scatter the
     # fp32 main gradients (4 bytes, theoretical_memory_usage.py's 18 = 2 + 4 + 12) + all-gather the bf16
@@ -56,10 +66,8 @@ def test_small_case_by_hand(hand_plan):
     n_local = 32000 * 1024 // 2 + 4 * (4 * 1024**2 // 2 + 3 * 1024 * 4096 // 2 + 2048) + 1024 + 32000 * 1024 // 2
     assert n_local == 66_331_648
 
-    def one_step(nbytes):  # 2 ranks on 2 nodes: one inter-node step of (n-1)/n of S
-        return BASE + 1 * HOP_IB + (1 / 2) * nbytes / IB
-
-    dp_total = one_step(n_local * 4) + one_step(n_local * 2)
+    # 2 ranks on 2 nodes: one inter-node step of (n-1)/n of S each
+    dp_total = _price("reduce_scatter", n_local * 4, 2, 2, 1) + _price("all_gather", n_local * 2, 2, 2, 1)
     dp_exposed = dp_total - (2 / 3) * compute / 4  # overlaps the backward of the last micro-batch
     assert c.parts["compute_s"] == pytest.approx(compute, rel=1e-9)
     assert c.parts["tp_s"] == pytest.approx(tp_s, rel=1e-9)
@@ -75,7 +83,7 @@ def test_small_case_by_hand(hand_plan):
     imbalance = (2 * f_layer + f_head) / ((4 * f_layer + f_head) / 2)
     c = by_mesh(hand_plan, dp=2, pp=2)
     assert c.layers_per_stage == (2, 2) and c.parts["compute_s"] == pytest.approx(compute * imbalance, rel=1e-9)
-    p2p = BASE + HOP_IB + s_act / IB  # one activation (or gradient) to the neighbour stage, across the nodes
+    p2p = _price("send_recv", s_act, 2, 2, 1)  # one activation (or gradient) to the neighbour stage, across nodes
     # of the three schedules ZB-H1 is the fastest here: bubble (p-1)/m x 1/3 (Qi et al. 2023, T_F = T_B = T_W),
     # 2(m + p - 1) sends; interleaved v=2 has (p-1)/(v m) and 2(v m + p - 1) sends; 1F1B (p-1)/m
     assert c.schedule == "zb-h1"
@@ -93,10 +101,7 @@ def test_small_case_by_hand(hand_plan):
     # (k-1)/k S/B_nvlink + (N-1)/N S/(k B_nic), latency (k-1) hops on NVLink + (N-1) on the network
     c4 = by_mesh(hand_plan, dp=4)
 
-    def hier(nbytes):
-        return BASE + HOP_NV + HOP_IB + (1 / 2) * nbytes / NVLINK + (1 / 2) * nbytes / (2 * IB)
-
-    dp4_total = hier(n_total * 4) + hier(n_total * 2)
+    dp4_total = _price("reduce_scatter", n_total * 4, 4, 2, 2) + _price("all_gather", n_total * 2, 4, 2, 2)
     assert c4.parts["dp_total_s"] == pytest.approx(dp4_total, rel=1e-9)
     assert c4.parts["dp_s"] == pytest.approx(dp4_total - (2 / 3) * compute / 2, rel=1e-9)
     # so by hand (the step times above) dp=2 x tp=2 beats dp=4 exactly when its TP comm costs less than the DP

@@ -213,6 +213,7 @@ def choices(op: str, nbytes: float, n: int, nodes: int, k: int, *, intra, inter=
         steps, net_steps, ratio = n - 1, nodes - 1, 1.0
     else:
         steps, net_steps, ratio = n - 1, nodes - 1, n / (n - 1.0)
+    net_steps = min(net_steps, steps)  # one rank per node: every step is a network step
     for p in range(3):
         bus = b_ring
         if p == 0:

@@ -176,9 +176,10 @@ class Topology:
         n = 2 if op == "send_recv" else degree
         place = dim_placement(n, stride, self.gpus_per_node)
         k, nodes = (place["ranks_per_node"], place["nodes"]) if place else (1, n)
-        return self.base_latency_s + costmodel.placed_collective_time(
+        # NCCL's per-call latency is the chosen protocol's (labkit.theory.nccl), as the emulator charges it
+        return costmodel.placed_collective_time(
             op, float(nbytes), n, nodes, k, intra=self.intra, inter=self._inter_share, nics_per_node=k,
-            include_base=False)
+            include_base=True)
 
     def link_of(self, degree: int, stride: int) -> str:
         """The link name a group's slowest hop uses ("-" for a group of one)."""
