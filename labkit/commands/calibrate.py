@@ -65,6 +65,12 @@ def format_report(profile: dict, path) -> str:
         med = "-" if s["median_abs_error"] is None else f"{100 * s['median_abs_error']:.1f} %"
         mx = "-" if s["max_abs_error"] is None else f"{100 * s['max_abs_error']:.1f} %"
         lines.append(f"  {role:<30} {s['rows']:>4}   {med:>12}   {mx:>9}")
+    ks = profile.get("kernel_sweep_fit")
+    if ks:
+        vals = ", ".join(f"{k}={v:.4g}" for k, v in ks["parameters"].items())
+        lines.append(f"  the kernel sweep's own fit ({vals}) on the compute rows: median |err| calibration "
+                     f"{100 * (ks['summary']['calibration']['median_abs_error'] or 0):.1f} %, validation "
+                     f"{100 * (ks['summary']['validation']['median_abs_error'] or 0):.1f} %")
     by_kind: dict[tuple, list] = {}
     for role in ("calibration", "validation"):
         for r in profile["residuals"][role]:
