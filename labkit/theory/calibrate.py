@@ -273,7 +273,8 @@ def _has_kernels() -> bool:
 def build_cluster(name: str, world_size: int, values: dict, *, device: str = "", dtypes=("fp32",)):
     """The :class:`~labkit.theory.cluster.Cluster` of a machine recorded at ``world_size`` ranks, from parameter
     ``values`` (:data:`PARAMETERS`; missing ones at neutral defaults): one node of ``world_size`` ranks, a
-    device ``<name>-device`` whose peak for every recorded dtype is ``peak_tflops`` and whose memory bandwidth
+    device ``<name>-device`` whose fp32 peak is ``peak_tflops`` (another dtype's ``peak_tflops_<dtype>``, default
+    the fp32 one) and whose memory bandwidth
     is ``memory_gbps``, a link ``<name>-link``; every efficiency 1 (the fitted rates are what the machine
     sustains, not a datasheet's peak), GEMM tiles of 1 x 1 on one "SM" (a CPU rank: no tile or wave
     quantisation)."""
@@ -282,7 +283,8 @@ def build_cluster(name: str, world_size: int, values: dict, *, device: str = "",
 
     v = {"peak_tflops": 0.05, "memory_gbps": 10.0, "kernel_overhead_s": 0.0, "gemm_k_half": 0.0,
          "link_gbps": 1.0, "hop_latency_s": 0.0, "base_latency_s": 0.0, **values}
-    dev = Device(f"{name}-device", {dt: v["peak_tflops"] for dt in {"fp32", *dtypes}}, v["memory_gbps"],
+    peaks = {dt: v.get(f"peak_tflops_{dt}", v["peak_tflops"]) for dt in {"fp32", *dtypes}}
+    dev = Device(f"{name}-device", peaks, v["memory_gbps"],
                  source=f"fit (labkit calibrate); {device}".rstrip("; "))
     link = costmodel.Link(f"{name}-link", v["link_gbps"], 2 * v["link_gbps"], v["hop_latency_s"], v["hop_latency_s"],
                           "the recorded ranks' link", "fit (labkit calibrate)", "fit (labkit calibrate)")
@@ -344,9 +346,14 @@ def calibrate_rows(rows, *, name: str, identity: dict | None = None) -> dict:
     x0 = [_start(comp, "gemm", lambda r: _num(r, "flops") / _num(r, "seconds") / 1e12, 0.05),
           _start(comp, "memory", lambda r: _num(r, "bytes") / _num(r, "seconds") / 1e9, 10.0),
           min(_num(r, "seconds") for r in comp) / 2, 16.0][:len(names)]
+    lower, upper = [1e-6, 1e-3, 1e-9, 1e-3][:len(names)], [1e4, 1e5, 1.0, 1e5][:len(names)]
+    for dt in (d for d in dtypes if d != "fp32"):  # a GPU's other dtypes: a peak each
+        names.append(f"peak_tflops_{dt}")
+        x0.append(_start([r for r in comp if r.get("dtype") == dt], "gemm",
+                         lambda r: _num(r, "flops") / _num(r, "seconds") / 1e12, x0[0]))
+        lower, upper = [*lower, 1e-6], [*upper, 1e4]
     values = fit(lambda u: build_cluster(name, ws, dict(zip(names, u)), device=device, dtypes=dtypes),
-                 names, x0, comp, lower=[1e-6, 1e-3, 1e-9, 1e-3][:len(names)],
-                 upper=[1e4, 1e5, 1.0, 1e5][:len(names)])
+                 names, x0, comp, lower=lower, upper=upper)
     sources = {n: f"fit on {len(comp)} calibration rows (gemm, memory)" for n in names}
     kernel_sweep = dict(values)
     prog = [r for r in calib if r.get("kind") in PROGRAM_KINDS]
@@ -384,8 +391,10 @@ def calibrate_rows(rows, *, name: str, identity: dict | None = None) -> dict:
     return {
         "format": FORMAT, "name": name, "label": f"fit (labkit calibrate on measured ({device or name}))",
         "cluster": cluster.to_dict(),
-        "parameters": {n: {"value": values[n], "unit": PARAMETERS[n][0], "what": PARAMETERS[n][1],
-                           "source": sources[n]} for n in values},
+        "parameters": {n: {"value": values[n], "unit": PARAMETERS[n.split("_tflops_")[0] + "_tflops"
+                                                                if "_tflops_" in n else n][0],
+                           "what": PARAMETERS["peak_tflops"][1].replace("GEMM rate", f"{n[12:]} GEMM rate")
+                           if "_tflops_" in n else PARAMETERS[n][1], "source": sources[n]} for n in values},
         "per_op": per_op,
         "kernel_sweep_fit": kernel_fit,
         "residuals": {"calibration": res_c, "validation": res_v},
