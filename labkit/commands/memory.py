@@ -217,11 +217,14 @@ def _measure_strategy(args, v) -> tuple[str, int]:
     """(strategy, degree) of labkit.experiments.fullscale for a --measure layout; ValueError otherwise."""
     degrees = {k: getattr(args, k) for k in ("dp", "tp", "pp")}
     used = [k for k, d in degrees.items() if d > 1] + [k for k in ("cp", "ep") if (v[k] or 1) > 1]
+    if used == ["dp", "ep"] and v["ep"] == args.dp and not v["zero"]:
+        return "ep", args.dp  # expert parallel over the data-parallel ranks (MoE presets)
     other = [OPTIONS[k][0] for k in ("recompute", "attention", "act_dtype", "activation_model", "kernels",
                                      "optimizer", "convention", "vpp", "stage_layers") if getattr(args, k, None)]
     if args.model is None or args.mode != "train" or len(used) != 1 or other:
         raise ValueError("--measure runs one strategy of a preset's training step: --model NAME with exactly one of "
-                         "--dp N (--zero 0/1/2/3, --shard-layout dim0 for FSDP2), --tp N --sp, or --pp N "
+                         "--dp N (--zero 0/1/2/3, --shard-layout dim0 for FSDP2), --tp N --sp, --pp N, or --dp N "
+                         "--ep N (an MoE preset) "
                          f"(got {', '.join(f'--{k}' for k in used) or 'no degree > 1'}"
                          f"{'; not with ' + ', '.join(other) if other else ''}: the fake run uses bf16, torch AdamW, "
                          "flash attention, no recompute)")
@@ -235,7 +238,8 @@ def _measure_strategy(args, v) -> tuple[str, int]:
         return "tp_sp", args.tp
     if dim == "pp":
         return "pp", args.pp
-    raise ValueError(f"--measure does not run --{dim} yet (cp and ep are not wired); measure dp, tp + sp or pp")
+    raise ValueError(f"--measure does not run --{dim} yet (context parallelism is not wired; ep runs as --dp N "
+                     "--ep N); measure dp, tp + sp, pp or dp = ep")
 
 
 def _measure(args, v) -> int:
@@ -258,6 +262,8 @@ def _measure(args, v) -> int:
     print(f"{'peak':<14} {r['predicted_peak_bytes'] / div:>12.3f} {r['measured_peak_bytes'] / div:>24.3f}   "
           f"ratio {r['ratio']:.3f}, peak in the {r['peak_phase']}"
           + (f" ({r['peak_module']})" if r["peak_module"] else ""))
+    for a in r.get("assumptions") or []:
+        print(f"  assumed: {a}")
     print("  predicted: labkit.theory.memory (torch-bf16 convention, cpu kernels' saved tensors, no headroom or "
           "workspace); measured (fake tensors): torch MemTracker at full shapes (communication buffers are "
           "counted in its temporary)")

@@ -25,7 +25,12 @@ tp_sp      the lab's :func:`labkit.parallel.tensor.model.apply_tp` with sequence
 pp         the lab's :class:`labkit.parallel.pipeline.stage.StageModule` for each stage; 1F1B's in-flight
            micro-batches (stage k runs min(m, pp - k) forwards before its first backward, Narayanan et al.
            2021) run by this module's loop, the gradient arriving from the next stage a fake tensor
+ep         (MoE presets) the lab's :class:`labkit.parallel.expert.ep.ExpertParallelMoE` in every MoE layer over
+           the world, attention replicated (calculator: dp = ep = N); routing as :data:`UNIFORM_ROUTING`
 =========  ==========================================================================================
+
+MoE presets under any strategy run their routing as :data:`UNIFORM_ROUTING` (the lab's routing reads token
+counts from data: ``bincount(...).tolist()``); the result's ``assumptions`` says so.
 
 Rank symmetry: data-parallel and tensor-parallel ranks hold the same shapes (ZeRO / FSDP2 shards differ by at
 most one row per tensor; rank 0 holds the most), so rank 0 is measured for ddp, zero*, fsdp2 and tp_sp; for pp
@@ -39,7 +44,10 @@ import time
 
 from labkit.checks import check_choice, positive_int
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "tp_sp", "pp")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "tp_sp", "pp", "ep")
+#: what a fake run assumes where the real program's shapes depend on data (MoE routing)
+UNIFORM_ROUTING = ("uniform routing: every expert receives N*top_k/E of the N tokens' assignments (no drops; "
+                   "the router, its softmax and top-k run at full shape, their values unused)")
 LABEL = "measured (fake tensors)"
 #: MemTracker's categories -> the calculator's
 _CATEGORY = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Optstate": "optimizer",
@@ -72,6 +80,57 @@ def _peak_tracker():
                     self.peak_module = max(parents, key=len) if parents else ""
 
     return PeakTracker()
+
+
+def _uniform_moe_forward(self, x):
+    """:class:`labkit.parallel.expert.MoE` forward under :data:`UNIFORM_ROUTING` (fixed shapes, no data read):
+    x [..., H] -> [..., H]. Assignment a of the N·k goes to token a mod N and expert a·E // (N·k)."""
+    import torch
+
+    from labkit.parallel.expert.moe import _run_experts
+
+    flat = x.reshape(-1, x.shape[-1])  # (N, H)
+    n, k, e = flat.shape[0], self.top_k, self.n_experts
+    probs = torch.softmax(self.router(flat).float(), dim=-1).to(flat.dtype)  # (N, E)
+    gate, _ = torch.topk(probs, k, dim=-1)  # (N, k)
+    tok = torch.arange(n * k) % n  # (A,)
+    out = _run_experts(self.experts, flat[tok], _even(n * k, e))  # (A, H)
+    y = torch.zeros_like(flat).index_add(0, tok, out * gate.t().reshape(-1)[:, None].to(out.dtype))  # (N, H)
+    self.last_routing, self.aux_loss = None, None
+    return y.view_as(x)
+
+
+def _uniform_ep_forward(self, x):
+    """:class:`labkit.parallel.expert.ep.ExpertParallelMoE` forward under :data:`UNIFORM_ROUTING`: the counts
+    all-to-all, the dispatch and combine all-to-alls of the lab's EP (``_AllToAllV``) with N·k/ep rows to and
+    from every rank, the local experts on N·k/E rows each. x [..., H] -> [..., H]."""
+    import torch
+    import torch.distributed as dist
+
+    from labkit.parallel.expert.ep import _AllToAllV
+    from labkit.parallel.expert.moe import _run_experts
+
+    g, ep, n_local = self.group, self.ep, self.n_local
+    flat = x.reshape(-1, x.shape[-1])  # (N, H)
+    n, k = flat.shape[0], self.top_k
+    probs = torch.softmax(self.router(flat).float(), dim=-1).to(flat.dtype)  # (N, E)
+    gate, _ = torch.topk(probs, k, dim=-1)  # (N, k)
+    counts = torch.empty(self.n_experts, dtype=torch.int64)
+    dist.all_to_all_single(torch.empty_like(counts), counts, group=g)  # (E,): the counts exchange
+    rows = _even(n * k, ep)  # rows to (and from) each rank
+    tok = torch.arange(n * k) % n  # (A,)
+    received = _AllToAllV.apply(flat[tok], rows, rows, g, self.timeline, "dispatch")  # (A, H)
+    out = _run_experts(self.experts, received, _even(n * k, n_local))  # (A, H)
+    back = _AllToAllV.apply(out, rows, rows, g, self.timeline, "combine")  # (A, H)
+    y = torch.zeros_like(flat).index_add(0, tok, back * gate.t().reshape(-1)[:, None].to(back.dtype))  # (N, H)
+    self.last_routing, self.aux_loss, self.last_stats = None, None, {"assumption": UNIFORM_ROUTING}
+    return y.view_as(x)
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` near-equal counts (the first ones one larger)."""
+    q, r = divmod(total, parts)
+    return [q + (i < r) for i in range(parts)]
 
 
 def _adamw(params):
@@ -108,6 +167,15 @@ def memory_rank(ctx, model: str, strategy: str, *, seq_len: int = 8192, micro_ba
     spec = get_spec(model, **({"n_layers": n_layers} if n_layers else {}))
     n = ctx.world_size
     tokens = torch.randint(0, spec.vocab_size, (micro_batch_size, seq_len))
+    assumptions = []
+    if spec.is_moe:
+        from labkit.parallel.expert import MoE
+        from labkit.parallel.expert.ep import ExpertParallelMoE
+
+        MoE.forward, ExpertParallelMoE.forward = _uniform_moe_forward, _uniform_ep_forward  # this child only
+        assumptions.append(UNIFORM_ROUTING)
+    elif strategy == "ep":
+        raise ValueError(f"strategy 'ep' needs a mixture-of-experts model; {model!r} has no experts")
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16 (a fake tensor cannot be cast in place by .to())
     try:
@@ -116,16 +184,23 @@ def memory_rank(ctx, model: str, strategy: str, *, seq_len: int = 8192, micro_ba
         torch.set_default_dtype(old)
     full.train()
     steps = []  # what one measured step runs: callables
+    tracker = _peak_tracker()
+    after_forward: dict = {}
+
+    def fwd_bwd():
+        loss = lm_loss(runner(tokens), tokens)
+        after_forward.update(_categories(tracker.get_tracker_snapshot("current"))[0])
+        loss.backward()
     if strategy == "ddp":
         from labkit.parallel.data.bucketed import DataParallelBucket
 
         runner = DataParallelBucket(full)  # torch's DDP reducer (C++) cannot run on fake tensors
-        steps.append(lambda: lm_loss(runner(tokens), tokens).backward())
+        steps.append(fwd_bwd)
     elif strategy in ("zero1", "zero2", "zero3"):
         from labkit.parallel.zero import ZeroDataParallel
 
         runner = ZeroDataParallel(full, int(strategy[-1]))
-        steps.append(lambda: lm_loss(runner(tokens), tokens).backward())
+        steps.append(fwd_bwd)
     elif strategy == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -134,12 +209,21 @@ def memory_rank(ctx, model: str, strategy: str, *, seq_len: int = 8192, micro_ba
         for layer in full.layers:
             fully_shard(layer, mesh=mesh)
         runner = fully_shard(full, mesh=mesh)
-        steps.append(lambda: lm_loss(runner(tokens), tokens).backward())
+        steps.append(fwd_bwd)
     elif strategy == "tp_sp":
         from labkit.parallel.tensor.model import apply_tp
 
         runner = apply_tp(full, dist.group.WORLD, sequence_parallel=True)
-        steps.append(lambda: lm_loss(runner(tokens), tokens).backward())
+        steps.append(fwd_bwd)
+    elif strategy == "ep":
+        from labkit.parallel.expert import MoE
+        from labkit.parallel.expert.ep import ExpertParallelMoE
+
+        for layer in full.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp = ExpertParallelMoE(layer.mlp)  # this rank's E/ep experts; the rest freed
+        runner = full
+        steps.append(fwd_bwd)
     elif strategy == "pp":
         from labkit.parallel.pipeline.stage import StageModule
 
@@ -171,14 +255,22 @@ def memory_rank(ctx, model: str, strategy: str, *, seq_len: int = 8192, micro_ba
         check_choice("strategy", strategy, STRATEGIES)
     opt = _adamw([p for p in runner.parameters() if p.requires_grad])
     _warm_state(opt)
-    tracker = _peak_tracker()
     tracker.track_external(runner, opt)
     with tracker:
         for s in steps:
             s()
         opt.step()
+        after_step = _categories(tracker.get_tracker_snapshot("current"))[0]
         opt.zero_grad(set_to_none=True)
-    snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    cats, total = _categories(tracker.get_tracker_snapshot("peak"))
+    return {"rank": ctx.rank, "peak_bytes": total, "categories": cats, "peak_phase": tracker.peak_phase,
+            "peak_module": tracker.peak_module, "after_forward": dict(after_forward), "after_step": after_step,
+            "assumptions": assumptions, "seconds": time.perf_counter() - t0}
+
+
+def _categories(snapshot: dict) -> tuple[dict, int]:
+    """(bytes per calculator category, total) of a MemTracker snapshot (one device)."""
+    snap = next(iter(snapshot.values()), {})
     cats = dict.fromkeys(MEASURED_CATEGORIES, 0)
     total = 0
     for k, v in snap.items():
@@ -187,8 +279,7 @@ def memory_rank(ctx, model: str, strategy: str, *, seq_len: int = 8192, micro_ba
             total = int(v)
         elif name in _CATEGORY:
             cats[_CATEGORY[name]] += int(v)
-    return {"rank": ctx.rank, "peak_bytes": total, "categories": cats, "peak_phase": tracker.peak_phase,
-            "peak_module": tracker.peak_module, "seconds": time.perf_counter() - t0}
+    return cats, total
 
 
 def _stage_range(n_layers: int, pp: int, stage: int) -> tuple[int, int]:
@@ -217,7 +308,8 @@ def predicted_memory(model: str, strategy: str, world_size: int, *, seq_len: int
     n = world_size
     par = {"ddp": dict(dp=n), "zero1": dict(dp=n, zero=1), "zero2": dict(dp=n, zero=2),
            "zero3": dict(dp=n, zero=3), "fsdp2": dict(dp=n, zero=3, shard_layout="dim0"),
-           "tp_sp": dict(tp=n, sequence_parallel=True), "pp": dict(pp=n, schedule="1f1b")}[strategy]
+           "tp_sp": dict(tp=n, sequence_parallel=True), "pp": dict(pp=n, schedule="1f1b"),
+           "ep": dict(dp=n, ep=n)}[strategy]
     train = train_config(spec, micro_batch_size, seq_len, "sdpa", "bfloat16", "cpu")
     from dataclasses import replace
 
@@ -239,7 +331,9 @@ def measure_memory(model: str = "llama-3-8b", strategy: str = "fsdp2", world_siz
     Returns plain data: ``model, strategy, world_size, label`` ("measured (fake tensors)"),
     ``predicted_peak_bytes``, ``measured_peak_bytes``, ``ratio`` (measured / predicted), ``predicted``
     and ``measured`` (bytes per category), ``peak_phase``, ``peak_module``, ``stage`` (pp: the stage with
-    the highest measured peak, whose figures these are), ``per_stage`` (pp), ``fits`` / ``verdict`` (with a
+    the highest measured peak, whose figures these are), ``after_forward`` / ``after_step`` (measured bytes per
+    category at the end of the forward and right after the optimizer step, before ``zero_grad``: every
+    model state resident), ``per_stage`` (pp), ``fits`` / ``verdict`` (with a
     device), ``traced_ranks``, ``wall_s`` (measured seconds).
 
     Raises ValueError for an unknown model or strategy, bad sizes, or a layout the calculator refuses.
@@ -271,9 +365,10 @@ def measure_memory(model: str = "llama-3-8b", strategy: str = "fsdp2", world_siz
            "predicted_peak_bytes": int(est.total_bytes), "measured_peak_bytes": int(got["peak_bytes"]),
            "ratio": got["peak_bytes"] / est.total_bytes if est.total_bytes else math.nan,
            "predicted": pred, "measured": dict(got["categories"]), "peak_phase": got["peak_phase"],
-           "peak_module": got["peak_module"], "stage": worst if strategy == "pp" else None,
+           "peak_module": got["peak_module"], "after_forward": got["after_forward"], "after_step": got["after_step"],
+           "stage": worst if strategy == "pp" else None,
            "per_stage": ({r: per_rank[r]["peak_bytes"] for r in sorted(per_rank)} if strategy == "pp" else None),
-           "traced_ranks": list(res.traced), "wall_s": res.wall_s}
+           "assumptions": got["assumptions"], "traced_ranks": list(res.traced), "wall_s": res.wall_s}
     if device is not None:
         from labkit.theory.memory import get_device, usable_bytes
 
@@ -408,16 +503,26 @@ def compress_trace(trace: list, cluster) -> list:
     """``trace`` with every run of consecutive compute events replaced by one ``("s", t0, t1, seconds)`` event
     charged what the replay would charge them on ``cluster`` (the sum of
     :func:`labkit.theory.replay._op_cost_ns` over the run, in integer ns): the same replay result, with only
-    the communication left as events — what makes 1024 or 16,384 ranks replayable in seconds."""
+    the communication left as events — what makes 1024 or 16,384 ranks replayable in seconds. The tracer's
+    ``u`` events (measured, never charged) are dropped. Exact when the profile's ``comm_compute_share`` is 0
+    (the default); with a share, a merged run's slow-down while communication is in flight is computed once
+    for the run instead of per operation."""
     from labkit.theory.replay import Charge, _op_cost_ns
 
     charge = Charge()
     out, run_ns, t0, t1 = [], 0, None, None
+    costs: dict = {}
     for ev in trace:
         if ev[0] == "c":
-            run_ns += _op_cost_ns(cluster, charge, ev[3], ev[4], ev[5])
+            d = costs.get(ev[3:])
+            if d is None:  # shape-aware where the event has a kind and shape (gemm, attention)
+                d = costs[ev[3:]] = _op_cost_ns(cluster, charge, ev[3], ev[4], ev[5], ev[6] if len(ev) > 6 else None,
+                                                ev[7] if len(ev) > 7 else None)
+            run_ns += d
             t0 = ev[1] if t0 is None else t0
             t1 = ev[2]
+            continue
+        if ev[0] == "u":  # measured, never charged (the replay lists them): dropped, so runs stay whole
             continue
         if ev[0] == "s":
             run_ns += int(round(ev[3] * 1e9))
