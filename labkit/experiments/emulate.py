@@ -447,3 +447,166 @@ def _by_instance(comm):
     keys = comm.assign(key=list(zip(comm["start_ns"], comm["op"], comm["group"])))
     for key in sorted(set(keys["key"]), key=lambda k: k[0]):
         yield key, keys[keys["key"] == key]
+
+
+# ------------------------------------------------------------------------------------------------------
+# adversarial programs: each way a program can wait, share a link, name a group, or hide work (issue 27)
+# ------------------------------------------------------------------------------------------------------
+WAIT_STYLES = ("wait", "future", "then", "wait_all", "collect_all", "poll", "never")
+
+
+def wait_style_rank(ctx, style: str = "wait", *, nbytes: int = 2**30, before_s: float = 0.001,
+                    after_s: float = 0.002) -> float:
+    """Rank function: one async all-reduce charged as ``nbytes``, ``before_s`` of compute (a sleep) beside it,
+    a wait in one of :data:`WAIT_STYLES` (``Work.wait``; ``get_future().wait()``; a ``then()`` chain's
+    future; ``torch.futures.wait_all``; ``collect_all(...).wait()``; polling ``is_completed()``; never), then
+    ``after_s`` of compute. Returns the reduced sum (= world_size * 4; -1 for ``never``, which cannot read it).
+    Emulated, every waiting style ends at max(before, comm) + after; ``never`` at max(before + after, comm),
+    the all-reduce listed never waited."""
+    import time
+
+    from labkit.runtime.emulate import charge_bytes
+
+    check_choice("style", style, WAIT_STYLES)
+    x = torch.ones(4)
+    with charge_bytes(int(nbytes)):
+        work = dist.all_reduce(x, async_op=True)
+    time.sleep(before_s)
+    if style == "wait":
+        work.wait()
+    elif style == "future":
+        work.get_future().wait()
+    elif style == "then":
+        work.get_future().then(lambda f: f.value()).wait()
+    elif style == "wait_all":
+        torch.futures.wait_all([work.get_future()])
+    elif style == "collect_all":
+        torch.futures.collect_all([work.get_future()]).wait()
+    elif style == "poll":
+        while not work.is_completed():
+            pass
+    time.sleep(after_s)
+    if style == "never":  # the result is not read: it may not have arrived (the handle stays alive to here)
+        return -1.0 if work is not None else -2.0
+    return float(x.sum())
+
+
+def link_share_rank(ctx, pattern: str = "one", *, nbytes: int = 2**30) -> int:
+    """Rank function on 2+ ranks, ``nbytes`` charged in all: ``"one"`` — rank 0 isends one message to rank 1;
+    ``"split"`` — the same bytes as 8 concurrent isends; ``"fanout"`` — rank 0 isends ``nbytes`` to every
+    other rank at once; ``"beside"`` — an all-reduce on ranks {0, 1} concurrent with a send 0 -> 1 (each
+    ``nbytes``). Returns the number of messages this rank took part in."""
+    from labkit.runtime.emulate import charge_bytes
+
+    check_choice("pattern", pattern, ("one", "split", "fanout", "beside"))
+    n, r = ctx.world_size, ctx.rank
+    works, count = [], 0
+    if pattern in ("one", "split"):
+        k = 1 if pattern == "one" else 8
+        with charge_bytes(int(nbytes) // k):
+            for i in range(k):
+                if r == 0:
+                    works.append(dist.isend(torch.ones(4), 1, tag=i))
+                elif r == 1:
+                    works.append(dist.irecv(torch.empty(4), 0, tag=i))
+        count = len(works)
+    elif pattern == "fanout":
+        with charge_bytes(int(nbytes)):
+            if r == 0:
+                works = [dist.isend(torch.ones(4), d) for d in range(1, n)]
+            else:
+                works = [dist.irecv(torch.empty(4), 0)]
+        count = len(works)
+    else:
+        pair = dist.new_group([0, 1])
+        with charge_bytes(int(nbytes)):
+            if r < 2:
+                works.append(dist.all_reduce(torch.ones(4), group=pair, async_op=True))
+                works.append(dist.isend(torch.ones(4), 1) if r == 0 else dist.irecv(torch.empty(4), 0))
+        count = len(works)
+    for w in works:
+        w.wait()
+    return count
+
+
+def two_groups_rank(ctx, ops=("all_reduce", "all_reduce"), *, sizes=(2**20, 32)) -> list:
+    """Rank function on 2 ranks: two process groups of the same members {0, 1}; rank 0 issues ``ops[0]`` of
+    ``sizes[0]`` on the first and ``ops[1]`` of ``sizes[1]`` on the second, rank 1 in the other order (both
+    async, then waited: legal for real, each group its own communicator). Returns each result's sum."""
+    from labkit.runtime.emulate import charge_bytes
+
+    g = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    order = (0, 1) if ctx.rank == 0 else (1, 0)
+    bufs, works = {}, []
+    for i in order:
+        with charge_bytes(int(sizes[i])):
+            if ops[i] == "all_gather":
+                out = [torch.empty(4) for _ in range(ctx.world_size)]
+                works.append(dist.all_gather(out, torch.ones(4), group=g[i], async_op=True))
+                bufs[i] = out
+            else:
+                t = torch.ones(4)
+                works.append(dist.all_reduce(t, group=g[i], async_op=True))
+                bufs[i] = [t]
+    for w in works:
+        w.wait()
+    return [float(sum(t.sum() for t in bufs[i])) for i in (0, 1)]
+
+
+def disagree_rank(ctx, sizes=(2**20, 2**20)) -> float:
+    """Rank function: one all-reduce, rank r charged as ``sizes[r]`` bytes (members that disagree: a
+    ReplayError when emulated)."""
+    from labkit.runtime.emulate import charge_bytes
+
+    x = torch.ones(4)
+    with charge_bytes(int(sizes[ctx.rank])):
+        dist.all_reduce(x)
+    return float(x.sum())
+
+
+def hidden_work_rank(ctx, where: str = "torch", *, n: int = 384, repeats: int = 20) -> float:
+    """Rank function: ``repeats`` matmuls of [n, n] @ [n, n], in torch (priced) or in numpy (``"numpy"``: the
+    tracer cannot see it), or ``"inverse"``: ``torch.linalg.inv`` (no FLOP formula: charged by bytes, listed
+    unpriced); an all-reduce at each end. Returns a checksum."""
+    check_choice("where", where, ("torch", "numpy", "inverse"))
+    dist.all_reduce(torch.ones(1))
+    g = torch.Generator().manual_seed(ctx.rank)
+    a = torch.randn(n, n, generator=g) / n ** 0.5 + torch.eye(n)  # [n, n]
+    acc = 0.0
+    if where == "numpy":
+        x = a.numpy()
+        for _ in range(repeats):
+            acc += float((x @ x)[0, 0])
+    elif where == "inverse":
+        for _ in range(repeats):
+            acc += float(torch.linalg.inv(a)[0, 0])
+    else:
+        for _ in range(repeats):
+            acc += float((a @ a)[0, 0])
+    dist.all_reduce(torch.ones(1))
+    return acc
+
+
+def early_recv_rank(ctx, early: bool = False, *, nbytes: int = 2**28, compute_s: float = 0.002) -> float:
+    """Rank function on 2 ranks, a two-stage pipeline: rank 0 computes ``compute_s`` then isends an
+    activation charged as ``nbytes``; rank 1 irecvs it and computes on it, after waiting (correct) or
+    ``early`` — before the receive completed (a dependency violation). Returns the received sum."""
+    import time
+
+    from labkit.runtime.emulate import charge_bytes
+
+    buf = torch.zeros(16)
+    if ctx.rank == 0:
+        time.sleep(compute_s)
+        with charge_bytes(int(nbytes)):
+            dist.isend(torch.ones(16), 1).wait()
+        return 16.0
+    with charge_bytes(int(nbytes)):
+        work = dist.irecv(buf, 0)
+    if not early:
+        work.wait()
+    y = (buf * 2).sum()  # consumes the received activation
+    time.sleep(compute_s)
+    if early:
+        work.wait()
+    return float(y) / 2

@@ -211,7 +211,45 @@ class Emulation:
 
     @property
     def label(self) -> str:
-        return self.plan.label
+        """:attr:`EmulationPlan.label`, plus ``"; incomplete: N% of rank r's time unpriced"`` when some rank's
+        unpriced share exceeds :data:`labkit.theory.replay.INCOMPLETE_SHARE`, and ``"; K dependency
+        violation(s)"`` when the program read a buffer before its transfer ended (emulated)."""
+        notes = []
+        r = self.result
+        if r.incomplete:
+            worst = max(range(len(r.unpriced_share)), key=lambda i: r.unpriced_share[i])
+            notes.append(f"incomplete: {100 * r.unpriced_share[worst]:.0f}% of rank {worst}'s time unpriced")
+        if r.violations:
+            notes.append(f"{len(r.violations)} dependency violation{'s' if len(r.violations) > 1 else ''}")
+        if not notes:
+            return self.plan.label
+        return self.plan.label[:-1] + "; " + "; ".join(notes) + ")"
+
+    @property
+    def incomplete(self) -> bool:
+        """True when some rank's measured work the emulator could not price exceeds 5 % of its time."""
+        return self.result.incomplete
+
+    def unpriced(self):
+        """What the emulator saw but could not price, one row per item: ``rank, what`` (operation / host),
+        ``name``, ``measured_s``, ``share`` (the rank's whole unpriced share); ``attrs["label"]``."""
+        import pandas as pd
+
+        r = self.result
+        df = pd.DataFrame([{"rank": u["rank"], "what": u["what"], "name": u["name"],
+                            "measured_s": u["measured_ns"] / 1e9, "share": r.unpriced_share[u["rank"]]}
+                           for u in r.unpriced], columns=["rank", "what", "name", "measured_s", "share"])
+        df.attrs["label"] = self.label
+        return df
+
+    def _attrs(self, df) -> None:
+        r = self.result
+        df.attrs["label"] = self.label
+        df.attrs["incomplete"] = r.incomplete
+        df.attrs["never_waited"] = [dict(x) for x in r.never_waited]
+        df.attrs["dependency_violations"] = [
+            f"rank {v['rank']}: {v['name']} read at {v['used_ns'] / 1e6:.3f} ms before it completed at "
+            f"{v['ready_ns'] / 1e6:.3f} ms ({self.plan.label})" for v in r.violations]
 
     @property
     def cluster(self) -> Cluster:
@@ -239,7 +277,7 @@ class Emulation:
                  "charged_nbytes": c["charged_nbytes"], "link": c["link"], "group": c["group"], "dim": c["dim"],
                  "async_op": c["async_op"]} for c in self.result.comm]
         df = pd.DataFrame(rows, columns=_COMM_COLUMNS)
-        df.attrs["label"] = self.label
+        self._attrs(df)
         return df
 
     def retime(self, frame, *, comm: str = "replace", window: bool = True):
@@ -280,7 +318,7 @@ class Emulation:
             if col in ("name", "kind"):
                 continue
             df[col] = df[col].fillna(-1 if col in ("step", "microbatch", "stage") else 0).astype("int64")
-        df.attrs["label"] = self.label
+        self._attrs(df)
         return df
 
     def totals(self):
@@ -304,13 +342,16 @@ class Emulation:
                          "waiting_s": r.waits[rank] / 1e9, "comm_s": sum(e - s for s, e in comm) / 1e9,
                          "comm_hidden_s": hidden / 1e9})
         df = pd.DataFrame(rows)
-        df.attrs["label"] = self.label
+        self._attrs(df)
         return df
 
     def profile(self) -> dict:
         """Plain data for a run record: label, the profile (every number), the charge's factors."""
         ch = self.plan.charge
-        return {"label": self.label, "cluster": self.cluster.to_dict(),
+        return {"label": self.label, "incomplete": self.incomplete,
+                "unpriced_share": list(self.result.unpriced_share),
+                "never_waited": len(self.result.never_waited),
+                "dependency_violations": len(self.result.violations), "cluster": self.cluster.to_dict(),
                 "charge": {"label": ch.label, "flops_factor": ch.flops_factor, "bytes_factor": ch.bytes_factor,
                            "dtype": ch.dtype, "default_dim": ch.default_dim,
                            "comm": {k: list(v) for k, v in ch.comm.items()}, **dict(ch.details)},

@@ -15,8 +15,22 @@ What is observed, and how (every path is exercised by tests/test_emulate.py):
 * **collectives and p2p** through ``torch.distributed`` — the functions of ``torch.distributed`` and
   ``torch.distributed.distributed_c10d`` are wrapped (so torch's own helpers, e.g. ``batch_isend_irecv``
   and the object collectives, are seen too): op, the group's global ranks, S in the nccl-tests convention
-  (as :mod:`labkit.runtime.commlog` counts it), async or blocking, peer and tag. ``Work.wait()`` and
-  ``Future.wait()`` on their handles record where the program waits.
+  (as :mod:`labkit.runtime.commlog` counts it), async or blocking, peer and tag, and the process group's
+  identity (``info["pg"]``: the index, in creation order, of this group among the groups with the same
+  members, so two groups of the same ranks are two streams).
+* **waits** — every way torch lets a program wait for async work: ``Work.wait()`` / ``Work.synchronize()``,
+  ``Work.get_future()`` futures (``torch._C.Future``: ``wait()``, ``value()``, and the futures ``then()``
+  chains, which complete after the work), ``torch.futures.wait_all`` / ``collect_all``, polling
+  (``Work.is_completed()`` / ``Future.done()`` returning True: the program has seen the work end),
+  ``wait_tensor`` of functional collectives, and where CUDA runs ``torch.cuda.synchronize`` /
+  ``Stream.synchronize`` / ``Event.synchronize`` (every outstanding async op of the rank).
+* **consumed early** — an operation that reads the buffer of an ``irecv`` (or of an async collective) before
+  the program waited for it is recorded (``("use", t0, t1, uid)``): the replay flags it a dependency
+  violation when the emulated transfer had not ended.
+* **what it cannot price** — aten operations with no FLOP formula that are not memory-bound (linear algebra
+  decompositions, FFTs, distance kernels) are charged by their bytes and recorded with their measured time
+  (``("u", t0, t1, name)``); host work outside torch (numpy, Python loops) is main-thread CPU time between
+  two traced events above :data:`HOST_GAP_CPU_NS`, recorded as ``("u", t0, t1, "host", cpu_ns)``.
 * **functional collectives** (DTensor: ``torch.ops._c10d_functional.*``) — seen in the dispatch mode, async,
   waited at ``wait_tensor``.
 * **collectives issued from C++** (DDP's reducer without a comm hook, DDP's construction) — seen in the
@@ -32,6 +46,7 @@ dispatch mode cannot see that thread's compute, so its timeline would be wrong),
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import threading
 import time
@@ -82,6 +97,9 @@ _FREE_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
              "lift_fresh", "set_", "resize_", "detach", "alias", "_to_copy_meta", "is_same_size", "sym_size",
              "sym_stride", "sym_numel", "_has_compatible_shallow_copy_type", "record_stream"}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: aten operations with no FLOP formula whose work is not their memory traffic: charged by bytes, listed unpriced
+_UNPRICED = re.compile(r"^_?(linalg_|cholesky|triangular_solve|fft_|_fft|lu|svd|qr|geqrf|ormqr|eig|symeig|inverse"
+                       r"|det|slogdet|logdet|lstsq|matrix_exp|matrix_power|cdist|pdist|_cdist|_pdist|orgqr)")
 _SDPA_CPU = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
@@ -108,26 +126,31 @@ _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "
            torch.float16: "float16"}
 #: the timeline clock's test skew (labkit.runtime.timeline.now_ns adds it), added to the fast path's readings
 _SKEW = _timeline._TEST_CLOCK_SKEW_NS
+_cpu_ns = time.thread_time_ns
+#: main-thread CPU time between two traced events above which the gap is host work the tracer cannot price
+#: (numpy, Python loops): recorded as ``("u", t0, t1, "host", cpu_ns)``. CPU time, not wall time, so a rank
+#: descheduled on a loaded machine is not mistaken for one that works outside torch.
+HOST_GAP_CPU_NS = 200_000
 
 
-def _mm(args, kwargs, out) -> int:  # a [m, k] @ b [k, n]: 2mkn
+def _mm(args, kwargs, out) -> tuple:  # a [m, k] @ b [k, n]: 2mkn, GEMM shape (1, m, n, k)
     a, b = args[0].shape, args[1].shape
-    return 2 * a[0] * a[1] * b[1]
+    return 2 * a[0] * a[1] * b[1], (1, a[0], b[1], a[1])
 
 
-def _addmm(args, kwargs, out) -> int:  # bias + a [m, k] @ b [k, n]: 2mkn (the matmul, as torch counts it)
+def _addmm(args, kwargs, out) -> tuple:  # bias + a [m, k] @ b [k, n]: 2mkn (the matmul, as torch counts it)
     a, b = args[1].shape, args[2].shape
-    return 2 * a[0] * a[1] * b[1]
+    return 2 * a[0] * a[1] * b[1], (1, a[0], b[1], a[1])
 
 
-def _bmm(args, kwargs, out) -> int:  # a [B, m, k] @ b [B, k, n]: 2Bmkn
+def _bmm(args, kwargs, out) -> tuple:  # a [B, m, k] @ b [B, k, n]: 2Bmkn, GEMM shape (B, m, n, k)
     a, b = args[0].shape, args[1].shape
-    return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[0] * a[1] * a[2] * b[2], (a[0], a[1], b[2], a[2])
 
 
-def _baddbmm(args, kwargs, out) -> int:
+def _baddbmm(args, kwargs, out) -> tuple:
     a, b = args[1].shape, args[2].shape
-    return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[0] * a[1] * a[2] * b[2], (a[0], a[1], b[2], a[2])
 
 
 #: the matmul FLOP formulas of torch.utils.flop_counter (mm_flop, addmm_flop, bmm_flop, baddbmm_flop), on shapes
@@ -142,18 +165,21 @@ def _registry_flops(formula):
     return lambda args, kwargs, out: formula(*args, **kwargs, out_val=out)
 
 
-def _sdpa_flops(name: str, args) -> int:
-    """FLOPs of the CPU flash-attention kernels, with torch's formulas for the fused attention kernels
-    (grouped kv heads broadcast to the query heads, as the kernel does)."""
+def _sdpa_flops(name: str, args, kwargs=None) -> tuple:
+    """(FLOPs, attention shape or None) of the CPU flash-attention kernels, with torch's formulas for the fused
+    attention kernels (grouped kv heads broadcast to the query heads, as the kernel does). The forward's shape
+    is ``(batch, heads, q_len, kv_len, head_dim, causal)`` (q [B, H, L, D], k [B, Hkv, S, D]); the backward has
+    none (priced by its FLOPs)."""
     try:
         if name.endswith("_backward"):
             g, q, k, v = (tuple(a.shape) for a in args[:4])
             k, v = (k[0], q[1], k[2], k[3]), (v[0], q[1], v[2], v[3])
-            return int(sdpa_backward_flop_count(g, q, k, v))
+            return int(sdpa_backward_flop_count(g, q, k, v)), None
         q, k, v = (tuple(a.shape) for a in args[:3])
-        return int(sdpa_flop_count(q, k, v))
+        causal = bool(args[4]) if len(args) > 4 else bool((kwargs or {}).get("is_causal", False))
+        return int(sdpa_flop_count(q, k, v)), (q[0], q[1], q[2], k[2], q[3], causal)
     except Exception:  # noqa: BLE001 - an unexpected shape: count the bytes only
-        return 0
+        return 0, None
 
 
 class _Mode(TorchDispatchMode):
@@ -188,9 +214,11 @@ class _Mode(TorchDispatchMode):
         elif name in _SDPA_CPU:
             k = ("sdpa", name)
         elif name in _MATMUL:
-            k = ("op", _MATMUL[name])
+            k = ("op", _MATMUL[name], "gemm")
         else:
-            k = ("op", _registry_flops(flop_registry.get(func._overloadpacket)))
+            formula = _registry_flops(flop_registry.get(func._overloadpacket))
+            unpriced = formula is None and bool(_UNPRICED.match(name))
+            k = ("op", formula, "other" if formula is not None else "unpriced" if unpriced else "memory")
         self.cache[id(func)] = (func, k)  # keep func alive: its id is the key
         return k
 
@@ -202,13 +230,21 @@ class _Mode(TorchDispatchMode):
                     return func(*args, **kwargs)
                 return NotImplemented  # a tensor subclass: its own dispatch runs, its local ops come back here
         entry = self.cache.get(id(func))
-        k = entry[1] if entry is not None else self._kind(func)
         tr = self.tracer
+        if entry is not None:
+            k = entry[1]
+        else:  # the tracer's own first look at an operation is not the program's host work
+            c = _cpu_ns()
+            k = self._kind(func)
+            tr.cpu_mark += _cpu_ns() - c
         kind = k[0]
         if kind == "free" or tr.depth or threading.get_ident() != tr.main:
             return func(*args, **kwargs)
         if kind == "op" or kind == "sdpa":
+            c0 = _cpu_ns()
             t0 = time.monotonic_ns()
+            if c0 - tr.cpu_mark > HOST_GAP_CPU_NS:
+                tr.events.append(("u", tr.wall_mark, t0 + _SKEW, "host", c0 - tr.cpu_mark))
             out = func(*args, **kwargs)
             t1 = time.monotonic_ns()
             nbytes, dtype, ins = 0, None, []
@@ -234,16 +270,27 @@ class _Mode(TorchDispatchMode):
                     nbytes += o.numel() * o.element_size()
                     if dtype is None and o.is_floating_point():
                         dtype = o.dtype
-            flops = 0
+            flops, shape = 0, None
             if kind == "sdpa":
-                flops = _sdpa_flops(k[1], args)
-            elif k[1] is not None:
-                try:
-                    flops = int(k[1](args, kwargs, out))
-                except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: bytes only
-                    flops = 0
+                flops, shape = _sdpa_flops(k[1], args, kwargs)
+                ok = "attention" if shape is not None else "other"
+            else:
+                ok = k[2]
+                if k[1] is not None:
+                    try:
+                        f = k[1](args, kwargs, out)
+                        flops, shape = (int(f[0]), f[1]) if ok == "gemm" else (int(f), None)
+                    except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: bytes only
+                        flops, shape, ok = 0, None, "unpriced"
+            if ok == "unpriced":
+                tr.events.append(("u", t0 + _SKEW, t1 + _SKEW, func._schema.name.split("::")[-1]))
+                ok = "memory"
             if flops or nbytes:
-                tr.events.append(("c", t0 + _SKEW, t1 + _SKEW, flops, nbytes, _DTYPES.get(dtype, "float32")))
+                tr.events.append(("c", t0 + _SKEW, t1 + _SKEW, flops, nbytes, _DTYPES.get(dtype, "float32"), ok,
+                                  shape))
+            if tr.pending_bufs:
+                tr.check_use(ins, t0 + _SKEW, t1 + _SKEW)
+            tr.wall_mark, tr.cpu_mark = t1 + _SKEW, _cpu_ns()
             return out
         if kind == "c10d":
             return tr.c10d_op(func, k[1], args, kwargs)
@@ -254,7 +301,7 @@ class _Mode(TorchDispatchMode):
         out = func(*args, **kwargs)
         uid = tr.tensor_uids.pop(id(args[0]), (None,))[0] if args else None
         if uid is not None:
-            tr.events.append(("wait", t0, now_ns(), uid))
+            tr.record_waits((uid,), t0, now_ns())
         return out
 
 
@@ -269,12 +316,19 @@ class Tracer:
         self.main = threading.get_ident()
         self._uid = 0
         self.works: dict[int, tuple] = {}  # id(Work) -> (uid, work)
-        self.futures: dict[int, tuple] = {}  # id(Future) -> (uid, future)
+        self.futures: dict[int, tuple] = {}  # id(Future) -> (uids, future)
         self.tensor_uids: dict[int, tuple] = {}  # id(functional collective output) -> (uid, tensor)
         self.in_backward = 0
         self.backward_pending: list[int] = []
         self.hook_depth = 0
         self.nbytes_override: int | None = None
+        # end of the last traced event (no gap before the first: the rank function's start-up is not work)
+        self.wall_mark, self.cpu_mark = now_ns(), float("inf")
+        self._poll_t0: dict[int, int] = {}  # uid -> when the program first polled it
+        self.outstanding: dict[int, None] = {}  # uids of async work not yet waited (insertion order)
+        self.pending_bufs: dict[int, int] = {}  # storage ptr of an async recv / collective buffer -> uid
+        self._buf_of: dict[int, list] = {}  # uid -> its buffers' storage ptrs
+        self._pg_index: dict[int, tuple] = {}  # id(process group) -> (index among same-member groups, group)
         self._saved: list[tuple] = []
         self._mode: _Mode | None = None
         self._sigs: dict = {}
@@ -297,8 +351,20 @@ class Tracer:
             if getattr(dist, name, None) is orig:
                 self._patch(dist, name, w)
         self._patch(dist.Work, "wait", self._work_wait(dist.Work.wait))
+        self._patch(dist.Work, "synchronize", self._work_wait(dist.Work.synchronize))
+        self._patch(dist.Work, "is_completed", self._work_poll(dist.Work.is_completed))
         self._patch(dist.Work, "get_future", self._work_future(dist.Work.get_future))
-        self._patch(torch.futures.Future, "wait", self._future_wait(torch.futures.Future.wait))
+        fut = torch._C.Future  # Work.get_future() returns this base class; torch.futures.Future derives from it
+        self._patch(fut, "wait", self._future_wait(fut.wait))
+        self._patch(fut, "value", self._future_wait(fut.value))
+        self._patch(fut, "done", self._future_poll(fut.done))
+        self._patch(fut, "then", self._future_then(fut.then))
+        self._patch(torch.futures, "collect_all", self._collect_all(torch.futures.collect_all))
+        self._patch(torch.futures, "wait_all", self._wait_all(torch.futures.wait_all))
+        if torch.cuda.is_available():  # stream waits: everything outstanding (guarded: CPU-only torch has none)
+            self._patch(torch.cuda, "synchronize", self._wait_everything(torch.cuda.synchronize))
+            self._patch(torch.cuda.Stream, "synchronize", self._wait_everything(torch.cuda.Stream.synchronize))
+            self._patch(torch.cuda.Event, "synchronize", self._wait_everything(torch.cuda.Event.synchronize))
         self._patch(time, "sleep", self._sleep(time.sleep))
         self._patch(torch.autograd, "backward", self._backward(torch.autograd.backward))
         self._patch(torch.autograd, "grad", self._backward(torch.autograd.grad))
@@ -323,6 +389,10 @@ class Tracer:
         self.works.clear()
         self.futures.clear()
         self.tensor_uids.clear()
+        self.pending_bufs.clear()
+        self._buf_of.clear()
+        self._pg_index.clear()
+        self._poll_t0.clear()
         return self.events
 
     def uid(self) -> int:
@@ -340,6 +410,26 @@ class Tracer:
         if group is None or group is dist.GroupMember.WORLD:
             return tuple(range(self.world_size))
         return tuple(sorted(dist.get_process_group_ranks(group)))
+
+    def _pg(self, group, ranks: tuple) -> int:
+        """The group's identity beside its members: its index, in creation order, among this process's groups
+        with the same members (0 for the first; torch requires every member to create groups in one order)."""
+        if group is None or group is dist.GroupMember.WORLD:
+            return 0
+        hit = self._pg_index.get(id(group))
+        if hit is not None and hit[1] is group:
+            return hit[0]
+        j = 0
+        try:
+            for pg in dist.distributed_c10d._world.pg_map:
+                if pg is group:
+                    break
+                if pg is not dist.GroupMember.WORLD and tuple(sorted(dist.get_process_group_ranks(pg))) == ranks:
+                    j += 1
+        except Exception:  # noqa: BLE001 - an unregistered group: the first of its members
+            j = 0
+        self._pg_index[id(group)] = (j, group)
+        return j
 
     def _check_thread(self, what: str) -> None:
         if threading.get_ident() != self.main:
@@ -365,11 +455,13 @@ class Tracer:
                 return fn(*args, **kwargs)
             self.depth += 1
             t0 = now_ns()
+            self.gap(t0)
             try:
                 out = fn(*args, **kwargs)
             finally:
                 t1 = now_ns()
                 self.depth -= 1
+                self.mark(t1)
             is_async = bool(a.get("async_op", False)) or name in ("isend", "irecv")
             uid = self.uid()
             info = self._info(op if kind == "coll" else name.lstrip("i"))
@@ -379,6 +471,9 @@ class Tracer:
                     s = 0 if op == "barrier" else self._payload(op, a)
                     if self.nbytes_override is not None and op != "barrier":
                         s = self.nbytes_override
+                    pg = self._pg(group, ranks)
+                    if pg:
+                        info["pg"] = pg
                     self.events.append(("coll", t0, t1, uid, op, ranks, s, is_async, info))
             else:
                 peer = self._peer(op, a, group, out)
@@ -386,6 +481,9 @@ class Tracer:
                 self.events.append(("p2p", t0, t1, uid, op, peer, int(a.get("tag", 0) or 0), s, is_async, info))
             if is_async and out is not None:
                 self._remember(out, uid)
+                self.outstanding[uid] = None
+                if op != "send" and op != "barrier":  # what the program must not read before it waits
+                    self._track(uid, a.get("tensor", a.get("output_tensor", a.get("output"))))
             if self.in_backward and self.hook_depth and is_async:
                 self.backward_pending.append(uid)
             return out
@@ -420,6 +518,63 @@ class Tracer:
             return
         self.works[id(work)] = (uid, work)
 
+    # -- waits ---------------------------------------------------------------------------------------------------
+    def gap(self, t0: int) -> None:
+        """Before a traced event starting at ``t0``: record the host CPU work since the last one if above
+        :data:`HOST_GAP_CPU_NS`."""
+        c = _cpu_ns()
+        if c - self.cpu_mark > HOST_GAP_CPU_NS and threading.get_ident() == self.main:
+            self.events.append(("u", self.wall_mark, t0, "host", c - self.cpu_mark))
+            self.cpu_mark = c
+
+    def mark(self, t1: int) -> None:
+        """After a traced event ending at ``t1``."""
+        if threading.get_ident() == self.main:
+            self.wall_mark, self.cpu_mark = t1, _cpu_ns()
+
+    def record_waits(self, uids, t0: int, t1: int) -> None:
+        """The main thread waited (t0..t1) for the async events ``uids``: one ``wait`` event each."""
+        if threading.get_ident() != self.main:
+            return
+        self.gap(t0)
+        self.mark(t1)
+        for uid in uids:
+            self.events.append(("wait", t0, t1, uid))
+            self.outstanding.pop(uid, None)
+            for ptr in self._buf_of.pop(uid, ()):
+                if self.pending_bufs.get(ptr) == uid:
+                    del self.pending_bufs[ptr]
+
+    def _uids_of_future(self, fut) -> tuple:
+        entry = self.futures.get(id(fut))
+        return entry[0] if entry is not None and entry[1] is fut else ()
+
+    def _track(self, uid: int, tensor) -> None:
+        ts: list = []
+        _tensors(tensor, ts)
+        ptrs = []
+        for t in ts:
+            try:
+                p = t.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001 - a tensor without storage (a subclass): not tracked
+                continue
+            if p:
+                self.pending_bufs[p] = uid
+                ptrs.append(p)
+        if ptrs:
+            self._buf_of[uid] = ptrs
+
+    def check_use(self, ins: list, t0: int, t1: int) -> None:
+        """An operation read ``ins``: a buffer of async work not yet waited is consumed before it completes."""
+        for a in ins:
+            try:
+                p = a.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001
+                continue
+            uid = self.pending_bufs.pop(p, None)
+            if uid is not None:
+                self.events.append(("use", t0, t1, uid))
+
     def _work_wait(self, orig):
         tracer = self
 
@@ -427,11 +582,28 @@ class Tracer:
             t0 = now_ns()
             out = orig(work, *args, **kwargs)
             entry = tracer.works.get(id(work))
-            if entry is not None and threading.get_ident() == tracer.main:
-                tracer.events.append(("wait", t0, now_ns(), entry[0]))
+            if entry is not None:
+                tracer.record_waits((entry[0],), t0, now_ns())
             return out
 
         return wait
+
+    def _work_poll(self, orig):
+        tracer = self
+
+        def is_completed(work, *args, **kwargs):
+            t0 = now_ns()
+            done = orig(work, *args, **kwargs)
+            entry = tracer.works.get(id(work))
+            if entry is not None and entry[0] in tracer.outstanding:
+                first = tracer._poll_t0.setdefault(entry[0], t0)  # a polling loop is one wait, from its first poll
+                if done:
+                    tracer.cpu_mark = _cpu_ns() if first != t0 else tracer.cpu_mark
+                    tracer.record_waits((entry[0],), first, now_ns())  # the program has seen it end: a wait
+                    tracer._poll_t0.pop(entry[0], None)
+            return done
+
+        return is_completed
 
     def _work_future(self, orig):
         tracer = self
@@ -440,7 +612,7 @@ class Tracer:
             fut = orig(work, *args, **kwargs)
             entry = tracer.works.get(id(work))
             if entry is not None:
-                tracer.futures[id(fut)] = (entry[0], fut)
+                tracer.futures[id(fut)] = ((entry[0],), fut)
             return fut
 
         return get_future
@@ -451,12 +623,77 @@ class Tracer:
         def wait(fut, *args, **kwargs):
             t0 = now_ns()
             out = orig(fut, *args, **kwargs)
-            entry = tracer.futures.get(id(fut))
-            if entry is not None and threading.get_ident() == tracer.main:
-                tracer.events.append(("wait", t0, now_ns(), entry[0]))
+            uids = tracer._uids_of_future(fut)
+            if uids:
+                tracer.record_waits(uids, t0, now_ns())
             return out
 
+        wait.__name__ = getattr(orig, "__name__", "wait")
         return wait
+
+    def _future_poll(self, orig):
+        tracer = self
+
+        def done(fut, *args, **kwargs):
+            t0 = now_ns()
+            out = orig(fut, *args, **kwargs)
+            uids = tracer._uids_of_future(fut) if out else ()
+            if uids and any(u in tracer.outstanding for u in uids):
+                tracer.record_waits(uids, t0, now_ns())
+            return out
+
+        return done
+
+    def _future_then(self, orig):
+        tracer = self
+
+        def then(fut, callback, *args, **kwargs):
+            out = orig(fut, callback, *args, **kwargs)
+            uids = tracer._uids_of_future(fut)
+            if uids:  # the chained future completes after the work (and the callback): waiting on it waits on it
+                tracer.futures[id(out)] = (uids, out)
+            return out
+
+        return then
+
+    def _collect_all(self, orig):
+        tracer = self
+
+        def collect_all(futures):
+            out = orig(futures)
+            uids = tuple(u for f in futures for u in tracer._uids_of_future(f))
+            if uids:
+                tracer.futures[id(out)] = (uids, out)
+            return out
+
+        collect_all.__wrapped__ = orig
+        return collect_all
+
+    def _wait_all(self, orig):
+        tracer = self
+
+        def wait_all(futures):
+            t0 = now_ns()
+            out = orig(futures)
+            uids = tuple(u for f in futures for u in tracer._uids_of_future(f))
+            if uids:
+                tracer.record_waits(uids, t0, now_ns())
+            return out
+
+        wait_all.__wrapped__ = orig
+        return wait_all
+
+    def _wait_everything(self, orig):
+        tracer = self
+
+        def synchronize(*args, **kwargs):
+            t0 = now_ns()
+            out = orig(*args, **kwargs)
+            tracer.record_waits(tuple(tracer.outstanding), t0, now_ns())
+            return out
+
+        synchronize.__wrapped__ = orig
+        return synchronize
 
     # -- dispatch-level collectives ---------------------------------------------------------------------------
     def c10d_op(self, func, op, args, kwargs):
@@ -475,7 +712,11 @@ class Tracer:
         s = 0 if op == "barrier" else _nbytes(args[1]) if op == "reduce_scatter" else _nbytes(args[0])
         uid = self.uid()
         is_async = bool(self.in_backward)
-        self.events.append(("coll", t0, t1, uid, op, ranks, s, is_async, self._info(op)))
+        info = self._info(op)
+        pgi = self._pg(pg, ranks) if pg is not None else 0
+        if pgi:
+            info["pg"] = pgi
+        self.events.append(("coll", t0, t1, uid, op, ranks, s, is_async, info))
         if is_async:
             self.backward_pending.append(uid)
         return out
@@ -491,13 +732,19 @@ class Tracer:
 
         name = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, str) and a not in
                      ("sum", "avg", "max", "min", "product", "premul_sum")), None)
+        pg = None
         try:
-            ranks = self._ranks(_resolve_process_group(name)) if name is not None else self._ranks(None)
+            pg = _resolve_process_group(name) if name is not None else None
+            ranks = self._ranks(pg)
         except Exception:  # noqa: BLE001
             ranks = tuple(range(self.world_size))
         s = _nbytes(out) if op == "all_gather" else _nbytes(args[0])
         uid = self.uid()
-        self.events.append(("coll", t0, t1, uid, op, ranks, s, True, self._info(op)))
+        info = self._info(op)
+        pgi = self._pg(pg, ranks) if pg is not None else 0
+        if pgi:
+            info["pg"] = pgi
+        self.events.append(("coll", t0, t1, uid, op, ranks, s, True, info))
         outs: list = []
         _tensors(out, outs)
         for t in outs:
@@ -510,9 +757,13 @@ class Tracer:
 
         def sleep(seconds):
             t0 = now_ns()
+            if threading.get_ident() == tracer.main:
+                tracer.gap(t0)
             orig(seconds)
             if threading.get_ident() == tracer.main:
-                tracer.events.append(("s", t0, now_ns(), float(seconds)))
+                t1 = now_ns()
+                tracer.events.append(("s", t0, t1, float(seconds)))
+                tracer.mark(t1)
 
         return sleep
 
@@ -527,8 +778,7 @@ class Tracer:
                 tracer.in_backward -= 1
                 if not tracer.in_backward and tracer.backward_pending:
                     t = now_ns()
-                    for uid in tracer.backward_pending:
-                        tracer.events.append(("wait", t, t, uid))
+                    tracer.record_waits(tuple(tracer.backward_pending), t, t)
                     tracer.backward_pending.clear()
 
         backward.__wrapped__ = orig
