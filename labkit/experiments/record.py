@@ -305,14 +305,15 @@ def compress_trace(events) -> list[list]:
     return [[f, b, d, n] for (f, b, d), n in sorted(counts.items())]
 
 
-def trace_rank(ctx, runs=TRACE_RUNS, *, steps: int = 5, lr: float = 1e-3) -> list[dict]:
+def trace_rank(ctx, runs=TRACE_RUNS, *, steps: int = 5, lr: float = 1e-3, trace: bool = True) -> list[dict]:
     """Rank function: for each (model, micro-batch size b, seq_len T, micro-batches m) of ``runs``, every rank
     trains its own copy of the model (no communication; all ranks at once, so each sees the load of the lab's
     runs): a step is m forward/backward passes of [b, T] tokens accumulated, then AdamW; ``steps`` steps timed
     after one warm-up; rank 0 then runs one more step under the emulator's tracer
     (:class:`labkit.runtime.emulate.tracer.Tracer`) and keeps its compute events (:func:`compress_trace`).
     Rows: kind ``trace``, op ``train_step``, shape ``<model> b<b> s<T> m<m>``, flops and bytes summed over the
-    traced step, ``seconds`` (the fastest step, slowest rank: :data:`STATISTIC`) and ``trace``."""
+    traced step, ``seconds`` (the fastest step, slowest rank: :data:`STATISTIC`) and ``trace`` (with
+    ``trace=False`` only the timing: kind, op, shape, seconds)."""
     from labkit.models import SyntheticLM, build_model, lm_loss, make_optimizer
     from labkit.runtime.emulate.tracer import Tracer
     from labkit.theory.spec import get_spec
@@ -340,7 +341,9 @@ def trace_rank(ctx, runs=TRACE_RUNS, *, steps: int = 5, lr: float = 1e-3) -> lis
             _sync(ctx.device)
             times.append(time.perf_counter() - t0)
         sec = _slowest(ctx, _stat(times))
-        if ctx.rank == 0:
+        if not trace:
+            rows.append({"kind": "trace", "op": "train_step", "shape": f"{model} b{b} s{t} m{mb}", "seconds": sec})
+        elif ctx.rank == 0:
             tracer = Tracer(0, 1).start()
             try:
                 step(steps + 1)
