@@ -289,6 +289,8 @@ def score_mesh(st: _Setup, dims: ParallelDims, mbs: int, *, schedules=None, reco
             key = (t["step_time_s"], peak)
             if best is None or key < best[0]:
                 best = (key, t, sched, v, peak, stage, r)
+        if len(fitting) == len(opts):
+            break  # every schedule fits already: more recompute only adds compute (and TP traffic)
     if best is None:
         r, ((sched, v), (peak, stage, _)) = closest
         cand.recompute = r

@@ -174,6 +174,13 @@ class Topology:
         if degree < 2 or nbytes <= 0 or _MUTATION["no_comm"]:
             return 0.0
         n = 2 if op == "send_recv" else degree
+        memo = self.__dict__.setdefault("_collective_memo", {})  # a plan prices the same group many times
+        key = (op, float(nbytes), n, stride)
+        if key not in memo:
+            memo[key] = self._collective_uncached(op, nbytes, n, stride)
+        return memo[key]
+
+    def _collective_uncached(self, op: str, nbytes: float, n: int, stride: int) -> float:
         place = dim_placement(n, stride, self.gpus_per_node)
         k, nodes = (place["ranks_per_node"], place["nodes"]) if place else (1, n)
         # NCCL's per-call latency is the chosen protocol's (labkit.theory.nccl), as the emulator charges it
