@@ -160,7 +160,7 @@ def memory_rank(ctx, model: str, strategy: str, *, seq_len: int = 8192, micro_ba
     import torch
     import torch.distributed as dist
 
-    from labkit.models import Transformer, lm_loss
+    from labkit.models import lm_loss
     from labkit.theory.spec import get_spec
 
     t0 = time.perf_counter()
@@ -176,12 +176,8 @@ def memory_rank(ctx, model: str, strategy: str, *, seq_len: int = 8192, micro_ba
         assumptions.append(UNIFORM_ROUTING)
     elif strategy == "ep":
         raise ValueError(f"strategy 'ep' needs a mixture-of-experts model; {model!r} has no experts")
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 (a fake tensor cannot be cast in place by .to())
-    try:
-        full = Transformer(spec)  # no weights drawn: fake tensors hold no values
-    finally:
-        torch.set_default_dtype(old)
+    lo, hi = _stage_range(spec.n_layers, n, ctx.rank) if strategy == "pp" else (0, spec.n_layers)
+    full = _build(spec, hi - lo)  # pp: only this stage's layers (same shapes), not 8 copies of the whole model
     full.train()
     steps = []  # what one measured step runs: callables
     tracker = _peak_tracker()
@@ -227,7 +223,7 @@ def memory_rank(ctx, model: str, strategy: str, *, seq_len: int = 8192, micro_ba
     elif strategy == "pp":
         from labkit.parallel.pipeline.stage import StageModule
 
-        runner = StageModule(full, ctx.rank, n, _stage_range(spec.n_layers, n, ctx.rank))
+        runner = StageModule(full, ctx.rank, n, (0, hi - lo))
         fly = min(n_microbatches, n - ctx.rank)
 
         class MicroBatch(torch.nn.Module):  # one per micro-batch: MemTracker refuses a root called twice
@@ -280,6 +276,23 @@ def _categories(snapshot: dict) -> tuple[dict, int]:
         elif name in _CATEGORY:
             cats[_CATEGORY[name]] += int(v)
     return cats, total
+
+
+def _build(spec, n_layers: int):
+    """The lab's Transformer of ``spec`` with ``n_layers`` layers, in bf16, no weights drawn (fake tensors hold
+    no values; a fake tensor cannot be cast in place by ``.to()``, so it is built in bf16)."""
+    from dataclasses import replace
+
+    import torch
+
+    from labkit.models import Transformer
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return Transformer(replace(spec, n_layers=n_layers) if n_layers != spec.n_layers else spec)
+    finally:
+        torch.set_default_dtype(old)
 
 
 def _stage_range(n_layers: int, pp: int, stage: int) -> tuple[int, int]:
@@ -412,7 +425,6 @@ def step_rank(ctx, dp: int, tp: int, pp: int, *, model: str = "llama-3-70b", seq
     import torch.distributed as dist
 
     from labkit.experiments.emulate import _Stage
-    from labkit.models import Transformer
     from labkit.parallel.data import DataParallelBucket
     from labkit.parallel.tensor import apply_tp
     from labkit.theory.mesh import ParallelDims
@@ -431,14 +443,9 @@ def step_rank(ctx, dp: int, tp: int, pp: int, *, model: str = "llama-3-70b", seq
     s = coords["pp"]
     first, last = s == 0, s == pp - 1
     lo, hi = _stage_range(spec.n_layers, pp, s)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        full = Transformer(spec)
-    finally:
-        torch.set_default_dtype(old)
+    full = _build(spec, hi - lo)  # only this stage's layers (same shapes as the preset's)
     tpm = apply_tp(full, groups["tp"])
-    stage = _Stage(tpm, range(lo, hi), first, last)
+    stage = _Stage(tpm, range(hi - lo), first, last)
     dpm = DataParallelBucket(stage, group=groups["dp"])
     opt = _adamw(list(stage.parameters()))
     actions = make_schedule("1f1b", pp, m).actions[s]
