@@ -21,12 +21,21 @@ def _code_lines(cell: dict) -> int:
     return sum(1 for line in "".join(cell["source"]).splitlines() if line.strip() and not line.lstrip().startswith("#"))
 
 
+#: chapters whose cluster profile only names a GPU (nothing in them is emulated): their parameter is ``cluster``
+NOT_EMULATED = {"01_memory_budgets", "12_serving_under_load"}
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_parameters_cell_has_world_size_emulate_and_my_prediction(path):
+    """world_size, my_prediction, and ``emulate`` where the chapter emulates a run — ``cluster`` instead where
+    nothing is emulated (an ``emulate`` parameter that emulates nothing misleads the reader)."""
     from labkit import notebooks
 
     names = notebooks.declared_parameters(path)
-    assert {"world_size", "emulate", "my_prediction"} <= set(names), f"{path.name}: parameters {sorted(names)}"
+    which = "cluster" if path.stem in NOT_EMULATED else "emulate"
+    assert {"world_size", which, "my_prediction"} <= set(names), f"{path.name}: parameters {sorted(names)}"
+    if path.stem in NOT_EMULATED:
+        assert "emulate" not in names, f"{path.name} emulates nothing: name its profile parameter cluster"
     assert names["my_prediction"]["default"] == "None", "my_prediction defaults to None (CI runs unattended)"
 
 

@@ -33,28 +33,29 @@ LARGE_LAYOUTS = (dict(dp=64, zero=3),
 LARGE_TRAIN = dict(micro_batch_size=1, seq_len=8192, n_microbatches=16, recompute="selective", attention="flash")
 
 
-def device_for(emulate, device) -> str:
+def device_for(cluster, device) -> str:
     """The device the large-model tables are sized against: ``device`` when given, else the GPU of the
-    ``emulate`` cluster profile (``h100-80gb`` for ``dgx-h100``), else ``h100-80gb``."""
+    ``cluster`` profile (``h100-80gb`` for ``dgx-h100``), else ``h100-80gb``. Nothing in chapter 01 is emulated:
+    the cluster only names a GPU."""
 
-    emulate = as_emulate(emulate)
+    cluster = as_emulate(cluster)
     if device is not None:
         return device
-    if emulate is None:
+    if cluster is None:
         return "h100-80gb"
     from labkit.runtime.emulate import resolve
 
-    return resolve(emulate).cluster.device.name
+    return resolve(cluster).cluster.device.name
 
 
-def check_chapter(*, world_size, emulate, my_prediction, model: str, micro_batch_size, seq_len, attention: str,
+def check_chapter(*, world_size, cluster, my_prediction, model: str, micro_batch_size, seq_len, attention: str,
                   big_model: str, device, timeout_s) -> dict:
     """Validate chapter 01's parameters before any launch; returns
     :func:`labkit.experiments.memory.check_training_run`'s dict (``summary``: the host memory the launch needs,
     predicted, beside this machine's).
 
     Raises ValueError naming the value and the fix: world_size >= 2 (DDP replicates and FSDP2 shards over the
-    ranks: one rank shards nothing); ``emulate`` a cluster profile or None (its GPU sizes the large-model tables
+    ranks: one rank shards nothing); ``cluster`` a cluster profile or None (its GPU sizes the large-model tables
     when ``device`` is None); ``my_prediction`` None or a number; ``big_model`` a preset and ``device`` a device
     of data/hardware.yaml or None (the large-model tables); timeout_s > 0; and whatever
     :func:`check_training_run` refuses for the launch (an unknown or mixture-of-experts ``model`` — its
@@ -66,10 +67,13 @@ def check_chapter(*, world_size, emulate, my_prediction, model: str, micro_batch
     from labkit.chapters.ch00_getting_started import check_emulate
     from labkit.chapters.common import check_prediction
 
-    check_emulate(emulate, None)
+    try:
+        check_emulate(cluster, None)
+    except ValueError as e:
+        raise ValueError(f"cluster={cluster!r} (whose GPU sizes the large-model tables): {e}") from None
     check_prediction(my_prediction, what="a number (how many times fewer model-state bytes FSDP2 leaves on rank 0 "
                                     "than DDP, e.g. 2)")
-    device = device_for(emulate, device)
+    device = device_for(cluster, device)
     for name, check, value in (("big_model", get_spec, big_model), ("device", mem.get_device, device)):
         try:
             check(value)
@@ -220,3 +224,46 @@ def serving_table(big_model: str, device: str, *, tp: int = 8, batch: int = 32, 
                                   "max_batch": "max_batch (predicted, sequences)"})
     return serve[["weight_dtype", "batch (sequences)", "weights GiB (predicted)", "KV cache GiB (predicted)",
                   "peak GiB (predicted)", f"fits {device} (predicted)", "max_batch (predicted, sequences)"]].round(2)
+
+
+def layout_figure(cmp: pd.DataFrame, model: str):
+    """Rank 0's memory per layout (:func:`labkit.experiments.memory.comparison_frame`): the measured bytes
+    stacked by category, one bar per layout, and the predicted total as a mark on each — what the run shows is
+    where the layouts differ (FSDP2 shards the model states, not the activations), not measured beside an equal
+    predicted bar. KiB = 1024 bytes."""
+    import plotly.graph_objects as go
+
+    from labkit.style import _layout, label_color
+    from labkit.widgets import CATEGORY_COLORS
+
+    r0 = cmp[cmp["rank"] == 0]
+    layouts = list(dict.fromkeys(r0["layout"]))
+    fig = go.Figure()
+    for cat in ("parameters", "gradients", "optimizer", "activations"):
+        g = r0[r0["category"] == cat].set_index("layout").reindex(layouts)
+        fig.add_bar(x=layouts, y=g["measured_bytes"] / KiB, name=f"{cat} (measured)",
+                    marker_color=CATEGORY_COLORS.get(cat))
+    total = r0.groupby("layout", sort=False)["predicted_bytes"].sum().reindex(layouts)
+    fig.add_scatter(x=layouts, y=total / KiB, mode="markers", name="total (predicted)",
+                    marker={"symbol": "line-ew-open", "size": 40, "line": {"width": 3},
+                            "color": label_color("predicted")})
+    fig.update_layout(barmode="stack", yaxis_title="memory on rank 0 (KiB)", xaxis_title="layout", height=440)
+    return _layout(fig, f"Memory on rank 0 by layout, {model}: measured, stacked by category; predicted total "
+                        "as a mark")
+
+
+def per_layer_line(rank_result: dict) -> str:
+    """One rank's saved activations per layer, measured against predicted, as a sentence (a bar chart of equal
+    pairs shows nothing): equal on every layer (how many, bytes each), or the layers that differ with their
+    ratio. ``rank_result``: one rank's row of :func:`measure` (``activations_per_layer``,
+    ``predicted_per_layer``, bytes)."""
+    meas, pred = list(rank_result["activations_per_layer"]), rank_result["predicted_per_layer"]
+    pred = [pred] * len(meas) if isinstance(pred, (int, float)) else list(pred)  # one prediction for every layer
+    off = [(i, m / p) for i, (m, p) in enumerate(zip(meas, pred)) if m != p]
+    if not off:
+        sizes = sorted(set(meas))
+        each = f"{sizes[0]:,} bytes each" if len(sizes) == 1 else f"{min(sizes):,}-{max(sizes):,} bytes"
+        return (f"Saved activations per layer (rank 0): measured = predicted on all {len(meas)} layers "
+                f"({each}).")
+    return ("Saved activations per layer (rank 0), measured / predicted where they differ: "
+            + ", ".join(f"layer {i} {r:.4f}" for i, r in off) + ".")

@@ -41,24 +41,30 @@ def _group(name: str, value, defaults: dict) -> dict:
     return {**defaults, **value}
 
 
-def check_chapter(*, world_size, emulate="dgx-h100", my_prediction=None, model=None, concurrency=None,
+_UNSET = object()
+
+
+def check_chapter(*, world_size, cluster="dgx-h100", my_prediction=None, model=None, concurrency=None,
                   rate_factors=(0.5, 1.0, 3.0), n_requests=None, workload=None, policy=None, swap=None,
-                  quality_train_steps=20, gpu_case=None, backend="auto") -> dict:
+                  quality_train_steps=20, gpu_case=None, backend="auto", emulate=_UNSET) -> dict:
     """Chapter 12's parameters as the notebook groups them (``workload``: :data:`WORKLOAD`'s keys, ``policy``:
     :data:`POLICY`'s, ``swap``: :data:`SWAP`'s, ``gpu_case``: :data:`GPU_CASE`'s, each a dict of overrides),
-    validated by :func:`check_flat` before anything is launched. ``emulate``: the cluster profile whose GPU
+    validated by :func:`check_flat` before anything is launched. ``cluster``: the cluster profile whose GPU
     prices the GPU-side knee table (None: that table is skipped; open-loop serving follows real time, so the
-    runs themselves are not emulated — docs/emulation.md "What it cannot represent"). ``my_prediction``: None
+    runs themselves are not emulated — docs/emulation.md "What it cannot represent" — hence not ``emulate``,
+    still accepted as the old name of ``cluster``). ``my_prediction``: None
     or a positive number (replicas' knee / TP's knee on these ranks). Returns check_flat's dict plus ``"gpu"``
-    (None when emulate is None) and ``"gpu_case"``."""
+    (None when cluster is None) and ``"gpu_case"``."""
+    if emulate is not _UNSET:
+        cluster = emulate
     w, pol, sw = _group("workload", workload, WORKLOAD), _group("policy", policy, POLICY), _group("swap", swap, SWAP)
     g = _group("gpu_case", gpu_case, GPU_CASE)
     check_prediction(my_prediction, what="a positive number (replicas' knee / TP's knee, e.g. 2.0)", above=0.0)
     gpu = None
-    if emulate not in (None, False, ""):  # "" and False (as `labkit run -p emulate=` gives) mean off, like None
+    if cluster not in (None, False, ""):  # "" and False (as `labkit run -p cluster=` gives) mean off, like None
         from labkit.runtime.emulate import resolve
 
-        gpu = getattr(resolve(emulate, world_size).cluster.device, "name", None)
+        gpu = getattr(resolve(cluster, world_size).cluster.device, "name", None)
     out = check_flat(world_size=world_size, model=model, concurrency=concurrency, rate_factors=rate_factors,
                      n_requests=n_requests, **w, policy_model=pol["model"], token_budget=pol["token_budget"],
                      swap_to=sw["to"], swap_drain=sw["drain"], quality_train_steps=quality_train_steps,
