@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.checks import check_choice, positive_float, positive_int
+from labkit.mlp import GeluMLP, SwiGLU
+from labkit.parallel.expert import MoE
 from labkit.theory.spec import ModelSpec, flops_per_token, get_spec
 
 ATTENTION_KINDS = ("sdpa", "eager")
@@ -143,32 +145,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, n_heads*d] -> [B, T, H]
 
 
-class SwiGLU(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): ``w_down(silu(w_gate(x)) * w_up(x))``. [B, T, H] -> [B, T, H]."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = False):
-        super().__init__()
-        self.w_gate = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
-        self.w_up = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
-        self.w_down = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
-
-    def forward(self, x):  # x [B, T, H]
-        gate = F.silu(self.w_gate(x))  # [B, T, F]
-        return self.w_down(gate * self.w_up(x))  # [B, T, F] -> [B, T, H]
-
-
-class GeluMLP(nn.Module):
-    """GPT-2 MLP: ``fc_out(gelu_tanh(fc_in(x)))``. [B, T, H] -> [B, T, H]."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True):
-        super().__init__()
-        self.fc_in = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
-        self.fc_out = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
-
-    def forward(self, x):  # x [B, T, H]
-        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))  # [B, T, F] -> [B, T, H]
-
-
 def make_mlp(spec: ModelSpec, ffn_hidden_size: int | None = None) -> nn.Module:
     f = spec.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
     return SwiGLU(spec.hidden_size, f, spec.bias) if spec.mlp == "swiglu" else GeluMLP(spec.hidden_size, f, spec.bias)
@@ -188,8 +164,6 @@ class Block(nn.Module):
         self.attn = Attention(spec, attention)
         self.mlp_norm = make_norm(spec)
         if moe:
-            from labkit.parallel.expert import MoE
-
             self.mlp = MoE.from_spec(spec)
         else:
             self.mlp = make_mlp(spec)

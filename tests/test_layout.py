@@ -82,6 +82,48 @@ def test_the_boundary_check_sees_a_violation(tmp_path):
     assert _names(mods[0], FORBIDDEN["parallel"]) and "labkit.records" in mods
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """labkit module -> the labkit modules it imports (anywhere in the file), each resolved to a file's module."""
+    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in LABKIT.rglob("*.py")}
+
+    def home(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {m: {h for _, name in _imports(p) if (h := home(name)) and h != m} for m, p in mods.items()}
+
+
+def _reaches(graph: dict[str, set[str]], src: str, dst: str) -> bool:
+    seen, todo = set(), [src]
+    while todo:
+        m = todo.pop()
+        if m == dst:
+            return True
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, ())
+    return False
+
+
+#: pairs of modules that once imported each other (issue 31): one direction only now
+ONE_WAY = [("labkit.models", "labkit.parallel.expert.moe"), ("labkit.theory.published", "labkit.theory.planner")]
+
+
+@pytest.mark.parametrize("upper,lower", ONE_WAY)
+def test_no_import_circle_between(upper, lower):
+    g = _module_graph()
+    assert lower in g and upper in g
+    assert _reaches(g, upper, lower), f"{upper} no longer uses {lower}: drop the pair"
+    assert not _reaches(g, lower, upper), f"{lower} imports its way back to {upper}: an import circle"
+
+
+def test_the_circle_check_sees_a_circle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _reaches(g, "c", "b") and _reaches(g, "b", "c") and not _reaches(g, "a", "d")
+
+
 def _theory_modules() -> list[str]:
     return sorted("labkit." + ".".join(p.relative_to(LABKIT).with_suffix("").parts).removesuffix(".__init__")
                   for p in (LABKIT / "theory").rglob("*.py"))

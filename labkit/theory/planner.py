@@ -23,8 +23,8 @@ stage splits and schedules included, takes under a second (benchmarks/planner_sp
 7. **rank** by predicted step time (then peak memory), each with the reason for its place and the term that
    dominates its step.
 
-Everything here is a *prediction*: label it so wherever it is shown. :func:`validate_published` puts the
-predictions beside published training runs (data/reference/published/training.csv).
+Everything here is a *prediction*: label it so wherever it is shown. :func:`labkit.theory.published.validate_published`
+(the layer above this one) puts the predictions beside published training runs (data/reference/published/training.csv).
 """
 
 from __future__ import annotations
@@ -537,13 +537,4 @@ def _link_note(c: Candidate, part: str, short: bool = False) -> str:
         return ""
     link = c.links.get(dim, "-")
     return f", over {link}" if short else f" over {link}"
-
-
-def validate_published(**kwargs) -> list[dict]:
-    """The published-runs validation table: one row per training run of data/reference/published/training.csv
-    that names a mesh — does the calculator accept it, does it fit, where the planner ranks it, predicted vs
-    published MFU. See :func:`labkit.theory.published.validate_published` (this is that function)."""
-    from labkit.theory.published import validate_published as _validate
-
-    return _validate(**kwargs)
 

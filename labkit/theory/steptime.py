@@ -10,11 +10,13 @@ import functools
 from dataclasses import dataclass, replace
 
 from labkit.checks import check_choice
+from labkit.paths import data_dir
 from labkit.theory import costmodel, layercost
 from labkit.theory import kernels as kmodel
 from labkit.theory import memory as mem
 from labkit.theory.mesh import DEFAULT_ORDER, ParallelDims, dim_placement
 from labkit.theory.spec import ModelSpec, flops_per_token
+from labkit.yamlload import load_path
 
 #: the pipeline schedules the planner prices (GPipe is left out: 1F1B has its bubble with less memory)
 SCHEDULE_CHOICES = ("1f1b", "interleaved", "zb-h1")
@@ -58,9 +60,9 @@ def sustained_fraction(gpu: str) -> float:
     per-kernel model leaves out): ``fitted.sustained_fraction.value[gpu]`` of
     data/reference/published/validation.yaml, fitted by :func:`labkit.theory.published.fit_sustained` on the
     rows whose ``role`` is ``calibration`` only (1.0 for a GPU without calibration rows)."""
-    from labkit.theory.published import validation_spec
-
-    fit = (validation_spec().get("fitted") or {}).get("sustained_fraction") or {}
+    # read here, not through labkit.theory.published (the layer above the planner: no import back up)
+    spec = load_path(data_dir() / "reference" / "published" / "validation.yaml") or {}
+    fit = (spec.get("fitted") or {}).get("sustained_fraction") or {}
     return float((fit.get("value") or {}).get(gpu, 1.0))
 
 

@@ -13,13 +13,12 @@ import torch
 import torch.nn as nn
 
 from labkit.checks import check_choice
+from labkit.mlp import GeluMLP, SwiGLU
 from labkit.parallel.expert.routing import Routing, load_balancing_loss, route
 from labkit.theory.expert import check_expert_parallel
 
 
 def _make_expert(hidden_size: int, ffn_hidden_size: int, mlp: str, bias: bool) -> nn.Module:
-    from labkit.models import GeluMLP, SwiGLU
-
     if mlp == "swiglu":
         return SwiGLU(hidden_size, ffn_hidden_size, bias)
     return GeluMLP(hidden_size, ffn_hidden_size, bias)
