@@ -215,9 +215,13 @@ def emulated_sweep_run(world_size: int = 8, emulate="dgx-h100", *, ops=EMULATED_
 
 
 def link_peak_gbps(cluster, world_size: int) -> float:
-    """The busbw a ring on ``world_size`` GPUs of ``cluster`` approaches at large S (GB/s): the intra-node link's
-    bandwidth inside one node; across nodes the hierarchical all-reduce's (labkit.theory.costmodel), i.e.
-    ``factor x S / t`` of the bandwidth terms alone."""
+    """The busbw an all-reduce on ``world_size`` GPUs of ``cluster`` approaches at large S (GB/s, *predicted*):
+    ``factor x S / t`` at S = 1 TiB without the per-call latency, priced by :mod:`labkit.theory.nccl` as NCCL
+    runs it (:func:`labkit.theory.costmodel.group_collective_time`). Inside one node that is the faster of a
+    Simple ring at the link's fitted ``bus_efficiency`` x line rate and, where the link has NVLink SHARP,
+    ``nvls_efficiency`` x line rate x k/(k+1) x the all-reduce's bus factor — which can exceed the per-direction
+    line rate (the switch reduces: published 8 x H100 NVLS runs reach 465-476 GB/s of a 450 GB/s link); across
+    nodes the network's share of it (NICs per node x the fitted NIC efficiency)."""
     from labkit.theory import costmodel as cm
     from labkit.theory.cluster import get_cluster
 
@@ -225,7 +229,7 @@ def link_peak_gbps(cluster, world_size: int) -> float:
     s = float(2**40)
     t = cm.group_collective_time("all_reduce", s, range(world_size), gpus_per_node=cl.gpus_per_node, intra=cl.intra,
                                  inter=cl.inter, nics_per_node=cl.nics_per_node, link_efficiency=cl.link_efficiency,
-                                 include_base=False)
+                                 include_base=False, nvls=cl.nvls)  # the profile's NVLS switch (dgx-h100-nonvls)
     return s / t / 1e9 * cm.bus_factor("all_reduce", world_size)
 
 
@@ -236,7 +240,7 @@ def _at(table, op, nbytes):
 
 def emulated_findings(run: dict) -> dict:
     """Sentences written from an :func:`emulated_sweep_run`: for the smallest and the largest size, all_reduce's
-    emulated busbw as a share of the link peak (:func:`link_peak_gbps`): "bandwidth-bound" (>=
+    emulated busbw as a share of its large-S busbw (:func:`link_peak_gbps`): "bandwidth-bound" (>=
     :data:`BANDWIDTH_BOUND`), "latency-bound" (<= :data:`LATENCY_BOUND`) or in between; the two-node busbw beside
     the one-node one; and reduce-scatter + all-gather beside one all-reduce at each size (the same within
     :data:`SAME_COST`, else which is dearer and by how much). Returns ``{"regime": {bytes: word}, "share": {bytes:
@@ -255,16 +259,15 @@ def emulated_findings(run: dict) -> dict:
                 else "between the latency and the bandwidth regime")
         out["regime"][s], out["share"][s] = word, share
         link = run["emulation"].cluster.link_of(range(n))
-        lines.append(f"At S = {format_size(s)} the all-reduce on {n} GPUs ({link}) reaches busbw {bus:.3g} GB/s, "
-                     f"{share:.3g} x the {peak:.0f} GB/s link peak ({label}): {word}.")
+        lines.append(f"At S = {format_size(s)} the all-reduce on {n} GPUs ({link}) reaches busbw {bus:.3g} GB/s "
+                     f"({label}), {share:.3g} x the {peak:.0f} GB/s it approaches at large S (predicted, NCCL "
+                     f"model): {word}.")
         ar, rs, ag = (_at(t, op, s) for op in ("all_reduce", "reduce_scatter", "all_gather"))
         if rs is not None and ag is not None:
             ratio = (rs["time_s"] + ag["time_s"]) / ar["time_s"]
             out["rs_ag_over_ar"][s] = ratio
-            lines.append(f"  Reduce-scatter + all-gather takes {ratio:.2f}x one all-reduce there: " + (
-                "the same cost, as the ring predicts (both move 2(n-1)/n·S per GPU)." if abs(ratio - 1) <= SAME_COST
-                else "dearer: two calls pay the fixed latency twice, and at this size latency is most of the cost."
-                if ratio > 1 else "cheaper, which the ring model does not predict."))
+            lines.append(f"  Reduce-scatter + all-gather takes {ratio:.2f}x one all-reduce there: "
+                         + _rs_ag_why(ratio, word, run["emulation"].cluster, n, s))
     two = run.get("two_nodes")
     if two is not None:
         big = sizes[-1]
@@ -275,6 +278,26 @@ def emulated_findings(run: dict) -> dict:
                      "sets the time." if b2 < b1 else f"Split over two nodes, busbw {b2:.3g} GB/s: no slower.")
     out["conclusion"] = "\n".join(lines)
     return out
+
+
+def _rs_ag_why(ratio: float, regime: str, cluster, n: int, nbytes: int) -> str:
+    """Why reduce-scatter + all-gather cost ``ratio`` x one all-reduce of ``nbytes`` on ``n`` GPUs of
+    ``cluster`` (emulated): the same within :data:`SAME_COST` (the ring moves 2(n-1)/n·S per GPU either way);
+    dearer where the all-reduce is latency-bound (two calls, two latencies) or where NCCL runs the all-reduce on
+    another algorithm than the rings of the two halves (NVLink SHARP: ``cluster.collective_choice``, predicted)."""
+    if abs(ratio - 1) <= SAME_COST:
+        return "the same cost, as the ring predicts (both move 2(n-1)/n·S per GPU)."
+    if ratio < 1:
+        return "cheaper, which the ring model does not predict."
+    algo = cluster.collective_choice("all_reduce", nbytes, range(n))
+    if algo["algorithm"] != "ring" and regime != "latency-bound":
+        name = {"nvls": "NVLink SHARP", "nvls_tree": "NVLink SHARP with a tree across nodes"}.get(
+            algo["algorithm"], algo["algorithm"])
+        return (f"dearer: NCCL runs this all-reduce as {name} ({algo['algbw_gbps']:.0f} GB/s algbw, predicted: "
+                "the switch reduces), while reduce-scatter and all-gather each run as a ring at its bus efficiency.")
+    if regime == "latency-bound":
+        return "dearer: two calls pay the fixed latency twice, and at this size latency is most of the cost."
+    return "dearer: each of the two calls pays its own fixed latency (the ring moves the same bytes either way)."
 
 
 def ar_rs_ag_finding(table: pd.DataFrame, *, world_size: int, backend: str) -> dict:
@@ -302,8 +325,9 @@ def ar_rs_ag_finding(table: pd.DataFrame, *, world_size: int, backend: str) -> d
 def busbw_figure(measured: pd.DataFrame | None, emulated: dict | None, *, ops=("all_reduce",), published=True,
                  title: str | None = None):
     """The headline: all-reduce busbw vs S — ``measured`` on this machine (sweep rows, synchronised), the emulated
-    sweep on one node and on two (``emulated (<profile>)``), the link peak it approaches as ``predicted (link
-    peak: ...)`` dotted lines, and the published nccl-tests rows (:func:`labkit.plots.add_published_busbw`)."""
+    sweep on one node and on two (``emulated (<profile>)``), the busbw it approaches at large S as ``predicted
+    (large-S busbw, NCCL model: ...)`` dotted lines (:func:`link_peak_gbps`), and the published nccl-tests rows
+    (:func:`labkit.plots.add_published_busbw`)."""
     import plotly.graph_objects as go
 
     from labkit import plots
@@ -334,14 +358,14 @@ def busbw_figure(measured: pd.DataFrame | None, emulated: dict | None, *, ops=("
         for cl in filter(None, clusters):
             peak = link_peak_gbps(cl, n)
             fig.add_trace(go.Scatter(x=[xs[0], xs[-1]], y=[peak, peak], mode="lines",
-                                     name=f"predicted (link peak: {cl.name}, {peak:.0f} GB/s)",
+                                     name=f"predicted (large-S busbw, NCCL model: {cl.name}, {peak:.0f} GB/s)",
                                      line={"color": label_color("predicted"), "dash": "dot"}))
     if published:
         plots.add_published_busbw(fig, ops=list(ops))
     fig.update_xaxes(type="log", title="message size S (bytes, log)")
     fig.update_yaxes(type="log", title="busbw (GB/s, log)")
-    fig.update_layout(title=title or "all-reduce busbw: measured here, emulated on a cluster, the link peak, "
-                      "published", legend={"font": {"size": 10}})
+    fig.update_layout(title=title or "all-reduce busbw: measured here, emulated on a cluster, its large-S "
+                      "prediction, published", legend={"font": {"size": 10}})
     return fig
 
 
@@ -398,8 +422,8 @@ def emulation_on(emulate) -> bool:
 
 def prediction_numbers(emulated: dict | None, nbytes: int = 2**30) -> dict:
     """What the reader's guess (busbw of a ``nbytes`` all-reduce on the emulated node) is compared with: the
-    emulated busbw (None without an emulated run) and the link peak it approaches (the dgx-h100 node's when
-    nothing was emulated), with their labels."""
+    emulated busbw (None without an emulated run) and the busbw it approaches at large S (:func:`link_peak_gbps`;
+    the dgx-h100 node's when nothing was emulated), with their labels."""
     if emulated is None:
         return {"measured": None, "predicted": link_peak_gbps("dgx-h100", 8), "label": "emulated"}
     row = _at(emulated["table"], "all_reduce", nbytes)
