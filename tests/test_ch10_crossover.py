@@ -9,14 +9,44 @@ H100 = {"gpus": 8, "gpu": "h100-80gb", "link": "nvlink4"}
 
 
 def test_crossover_found_for_a_small_gqa_model_with_short_requests_and_not_for_13b_long_contexts():
+    """The TP group's all-reduces priced as NCCL runs them (issue 26: below line rate, a per-call latency): at
+    concurrency 1024 TP8 all-reduces 1024 x 4096 x 2 B = 8 MiB twice a layer, ~77 us each (~190 GB/s busbw)
+    where line rate gave 33 us, so the replicas overtake it at 1024, not at 2048 as under line rate
+    (test_crossover_follows_the_price_of_tps_all_reduces); at 8 sequences the ~36 us small-message latency of
+    an 8-GPU all-reduce makes two TP4 groups beat one TP8."""
     short = ch.predict_crossover("llama-3-8b", prompt_len=128, output_len=128, **H100)
     long = ch.predict_crossover("llama-2-13b", prompt_len=1024, output_len=256, **H100)
-    assert ch.crossover_point(short) == 2048 and ch.crossover_point(long) is None
+    assert ch.crossover_point(short) == 1024 and ch.crossover_point(long) is None
     yes, no = " ".join(ch.crossover_findings(short, "llama-3-8b")), " ".join(ch.crossover_findings(long, "13b"))
-    assert "from 2048 sequences in flight the 8 replicas give more" in yes and "up to concurrency 1024" in yes, yes
+    assert "from 1024 sequences in flight the 8 replicas give more" in yes and "up to concurrency 512" in yes, yes
     assert "no crossover in this sweep" in no and "every concurrency from 8 to 128" in no, no
     assert "above 128 the 8 replicas no longer fit" in no, no
-    assert "Best TP degree by concurrency: 8: TP8" in yes and "2048: TP1" in yes
+    assert "Best TP degree by concurrency: 8: TP4" in yes and "1024: TP2" in yes and "2048: TP1" in yes, yes
+    piv = short.pivot_table(index="concurrency", columns="tp", values="throughput_tok_s")
+    assert piv.loc[512, 8] > piv.loc[512, 1] and piv.loc[1024, 1] > piv.loc[1024, 8]  # the sentence is the table
+
+
+def _line_rate(op, nbytes, n, intra="nvlink4", inter=None, **kw):
+    """A wrong model of the all-reduce: the ring at the link's line rate, no latency, no protocol (the
+    pre-issue-26 pricing)."""
+    from labkit.theory import costmodel as cm
+
+    return 2 * (n - 1) / n * nbytes / (cm.get_link(intra).bandwidth_gbps * 1e9)
+
+
+@pytest.mark.parametrize("wrong, crossover, best_at_8", [(_line_rate, 2048, "TP8"),
+                                                         (lambda *a, **k: 0.0, None, "TP8")],
+                         ids=["line-rate", "free-all-reduce"])
+def test_crossover_follows_the_price_of_tps_all_reduces(monkeypatch, wrong, crossover, best_at_8):
+    """The crossover is decided by what TP's all-reduces cost: priced at line rate it moves to 2048 (the old
+    model's answer), free it never comes and TP8 stays best wherever the replicas fit — so the 1024 above
+    comes from the calibrated collectives model, and a chapter pricing them any other way fails it."""
+    from labkit.theory import costmodel as cm
+
+    monkeypatch.setattr(cm, "collective_time", wrong)
+    short = ch.predict_crossover("llama-3-8b", prompt_len=128, output_len=128, **H100)
+    assert ch.crossover_point(short) == crossover
+    assert f"Best TP degree by concurrency: 8: {best_at_8}," in ch.crossover_findings(short, "llama-3-8b")[1]
 
 
 def test_crossover_comes_earlier_without_nvlink():
