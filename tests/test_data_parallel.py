@@ -262,7 +262,9 @@ CHAPTERS = {"03_data_parallel": "ch.check_chapter(", "04_zero_fsdp": "ch.check_c
 def test_chapter_parameters_parsed_and_checked_before_anything(name):
     """Every name in the parameters cell is one papermill can override (no '=' in a trailing comment hides a
     line), and the first code cell after it passes every one of them to the chapter's check function, before
-    any launch; the exercise's self-check goes through check_exercise (no answer when not attempted)."""
+    any launch; the exercise's self-check goes through ``labkit.chapters.exercises.check`` with this chapter's
+    number (67c44a3: the reference is computed there, out of the notebook's sight), and no cell computes or
+    names a reference itself."""
     import ast
     from pathlib import Path
 
@@ -281,9 +283,17 @@ def test_chapter_parameters_parsed_and_checked_before_anything(name):
                 and ast.unparse(n.func) + "(" == CHAPTERS[name])
     passed = {k.arg for k in call.keywords if isinstance(k.value, ast.Name) and k.value.id == k.arg}
     assert set(names) <= passed, f"not validated before the launch: {set(names) - passed}"
-    checks = [c.source for c in nb.cells if c.cell_type == "code" and "answer" in c.source and "None" not in c.source
-              or "check_exercise" in c.source and "import check_exercise" not in c.source]
-    assert checks and all("check_exercise(" in c for c in checks)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    checks = [src for src in code if "exercises.check(" in src or "check_exercise(" in src]
+    assert checks, "the exercise has a self-check"
+    for src in checks:
+        calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)]
+        names = {ast.unparse(n.func) for n in calls}
+        assert names == {"exercises.check"}, f"the exercise cell calls only exercises.check, not {names}"
+        chapter = calls[0].args[0]
+        assert isinstance(chapter, ast.Constant) and chapter.value == name[:2], \
+            f"{name}'s exercise checks chapter {ast.unparse(chapter)}"
+    assert not any("check_exercise(" in src or "exercises.reference(" in src or "EXERCISES[" in src for src in code)
     assert not any("reference answer" in c.source or "Reference:" in c.source for c in nb.cells)
 
 

@@ -214,7 +214,9 @@ def test_chapter01_at_world_size_3_and_every_number_labelled(tmp_path):
 # ------------------------------------------------------------------------------------------------------
 # chapter 01: every parameter checked before any launch
 # ------------------------------------------------------------------------------------------------------
-CH01 = dict(world_size=2, emulate="dgx-h100", my_prediction=None, model="lab-tiny-llama", micro_batch_size=2,
+#: chapter 01's parameters: its profile is ``cluster`` (5db7c38: it only names the GPU that sizes the tables, nothing
+#: in chapter 01 is emulated)
+CH01 = dict(world_size=2, cluster="dgx-h100", my_prediction=None, model="lab-tiny-llama", micro_batch_size=2,
             seq_len=64, attention="sdpa", big_model="llama-3-70b", device="h100-80gb", timeout_s=240.0)
 
 
@@ -250,6 +252,7 @@ def test_chapter01_first_cell_validates_every_parameter_through_check_chapter(mo
 
 @pytest.mark.parametrize("key, value, match", [
     ("world_size", 0, "world_size=0"),
+    ("cluster", "nope", "cluster='nope'.*choose one of: dgx-h100"),
     ("model", "nope", "unknown model preset 'nope'"),
     ("model", "lab-tiny-moe", "mixture-of-experts"),
     ("micro_batch_size", 0, "micro_batch_size=0"),

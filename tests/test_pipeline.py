@@ -113,8 +113,15 @@ def test_check_chapter_refuses_bad_parameters_before_any_launch(no_launch):
     with pytest.raises(ValueError, match=r"seq_len=4096 exceeds"):
         ch.check_chapter(world_size=2, seq_len=4096)
     plan = ch.check_chapter(world_size=3, sweep=[1, 2])
-    assert (plan["pp"], plan["n_microbatches"], plan["global_batch_size"]) == (3, 3, 3)  # m = pp, one per micro-batch
+    # m = 2 pp by default (52d03ec), one sequence per micro-batch; the sweep's k = 1 keeps m = pp
+    assert (plan["pp"], plan["n_microbatches"], plan["global_batch_size"]) == (3, 6, 6)
     assert plan["sweep_microbatches"] == [3, 6] and plan["spec"].n_layers == 6
+    # why 2 pp: at the default m, 1F1B holds fewer micro-batches in flight on rank 0 than GPipe (at m = pp both
+    # hold all of them, and the chapter's memory point cannot show)
+    for world_size in (2, 3, 4):
+        p, m = world_size, ch.check_chapter(world_size=world_size)["n_microbatches"]
+        gpipe, one_f_one_b = (sim.peak_inflight(sim.make_schedule(s, p, m)) for s in ("gpipe", "1f1b"))
+        assert one_f_one_b[0] == p < gpipe[0] == m, (p, m, gpipe, one_f_one_b)
     assert ch.check_chapter(world_size=2, n_microbatches=8, global_batch_size=16)["sweep_microbatches"] == [2, 4, 8]
 
 
