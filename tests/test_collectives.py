@@ -328,12 +328,12 @@ def test_reference_absent_is_labelled_and_roundtrips(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------
-# real runs: one launch per world size runs every experiment of the chapter (experiments.collectives.measure)
+# real runs: one launch per world size runs every experiment of the chapter (experiments.collective_patterns.measure)
 # ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=[2, 4])
 def everything(request):
     n = request.param
-    run = col.measure(n, sweep={"sizes": [4 * n, 4096 * n], "warmup": 1, "repeats": 2,
+    run = pat.measure(n, sweep={"sizes": [4 * n, 4096 * n], "warmup": 1, "repeats": 2,
                                 "timings": ("synchronised", "unsynchronised")},
                       ar_vs_rs_ag={"nbytes": 64 * n * 4, "warmup": 1, "repeats": 2},
                       repartition={"nbytes": 1024 * n * n},
@@ -408,15 +408,15 @@ def test_overlap_timeline_and_summary(everything):
 
 def test_measure_bad_input_before_launch():
     with pytest.raises(ValueError, match="no experiment"):
-        col.measure(2)
+        pat.measure(2)
     with pytest.raises(ValueError, match=r"overlap=.*unexpected keyword argument 'size'"):
-        col.measure(2, overlap={"size": "4M"})
+        pat.measure(2, overlap={"size": "4M"})
     with pytest.raises(ValueError, match=r"all_to_all splits its buffer into world_size=4"):
-        col.measure(4, repartition={"nbytes": 32})
+        pat.measure(4, repartition={"nbytes": 32})
     with pytest.raises(ValueError, match=r"world_size=1 is too small for op='reduce_scatter'"):
-        col.measure(1, ar_vs_rs_ag={"nbytes": "1K"})
+        pat.measure(1, ar_vs_rs_ag={"nbytes": "1K"})
     with pytest.raises(ValueError, match=r"timing='sloppy' is not valid"):
-        col.measure(2, sweep={"timings": ("sloppy",)})
+        pat.measure(2, sweep={"timings": ("sloppy",)})
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Chapter 02 (collectives): its parameter check and the overlap verdict, a sentence written from the numbers.
 
-What it launches is in :mod:`labkit.experiments.collectives` (the sweep, and :func:`~labkit.experiments.
-collectives.measure`, one launch for everything) and :mod:`labkit.experiments.collective_patterns`
-(AllReduce = ReduceScatter + AllGather, re-partition bytes, overlap); sizes are checked by
+What it launches is in :mod:`labkit.experiments.collectives` (the sweep) and
+:mod:`labkit.experiments.collective_patterns` (AllReduce = ReduceScatter + AllGather, re-partition bytes, overlap,
+and :func:`~labkit.experiments.collective_patterns.measure`, one launch for everything); sizes are checked by
 :mod:`labkit.theory.collectives`, the predictions come from :mod:`labkit.theory.costmodel`.
 """
 

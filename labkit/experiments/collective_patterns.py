@@ -3,8 +3,8 @@ FSDP identity), compute/communication overlap (DDP's bucketed all-reduce during 
 re-partition (all-to-all, DeepSpeed-Ulysses) moves beside a reduce-scatter (Megatron sequence parallelism).
 
 Each experiment is a rank function (``*_rank``), a ``_prepare`` that validates its inputs before any rank
-starts, and a ``_finish`` that tabulates every rank's result; :func:`labkit.experiments.collectives.measure`
-runs several of them, and the sweep, in one launch. The plain functions (:func:`ar_vs_rs_ag`,
+starts, and a ``_finish`` that tabulates every rank's result; :func:`measure` runs several of them, and
+:mod:`labkit.experiments.collectives`' sweep, in one launch. The plain functions (:func:`ar_vs_rs_ag`,
 :func:`overlap`, :func:`repartition_bytes`) launch one. The timing rules are those of
 :mod:`labkit.experiments.collectives`; the predicted ring bytes come from :mod:`labkit.theory.collectives`.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import pandas as pd
 
 from labkit.checks import positive_int
-from labkit.experiments.collectives import Clock, count_wrong, measure, torch_dtype
+from labkit.experiments.collectives import SWEEP, Clock, count_wrong, run_experiments, torch_dtype
 from labkit.runtime.probes import socket_bytes_written
 from labkit.theory.collectives import (
     ar_vs_rs_ag_bytes,
@@ -349,3 +349,40 @@ def _repartition_finish(per_rank: list, spec: dict, world_size: int, res) -> pd.
     return pd.DataFrame(rows)
 
 
+# ------------------------------------------------------------------------------------------------------
+# several experiments, one launch
+# ------------------------------------------------------------------------------------------------------
+#: the experiments :func:`measure` runs, in this order
+EXPERIMENTS = ("sweep", "ar_vs_rs_ag", "repartition", "overlap")
+
+
+def _experiments() -> dict:
+    return {"sweep": SWEEP, "ar_vs_rs_ag": (_ar_prepare, ar_vs_rs_ag_rank, _ar_finish),
+            "repartition": (_repartition_prepare, repartition_rank, _repartition_finish),
+            "overlap": (_overlap_prepare, overlap_rank, _overlap_finish)}
+
+
+def measure(world_size: int = 2, *, sweep: dict | None = None, ar_vs_rs_ag: dict | None = None,
+            repartition: dict | None = None, overlap: dict | None = None, backend: str = "auto",
+            timeout_s: float = 300.0, echo: bool = False) -> dict:
+    """Run chapter 2's experiments in **one** launch (a launch costs seconds: spawn, import torch,
+    rendezvous), in the order sweep, ar_vs_rs_ag, repartition, overlap.
+
+    Each argument is None (skip) or a dict of that experiment's keyword arguments, as taken by
+    :func:`labkit.experiments.collectives.sweep` (ops, sizes, min_size, max_size, factor, dtype, warmup, repeats,
+    iters, timings, verify), :func:`ar_vs_rs_ag` (nbytes, dtype, warmup, repeats), :func:`repartition_bytes`
+    (nbytes, dtype) and :func:`overlap` (nbytes, matmul_size, n_matmuls, steps). Every spec is validated before
+    any rank starts.
+
+    Returns a dict with one entry per experiment run, each what the single function returns.
+
+    Raises:
+        ValueError: world_size < 2, no experiment, an unknown keyword, or an experiment's own bad input.
+        labkit.LaunchError: a rank failed or the run timed out.
+    """
+    world_size = positive_int("world_size", world_size)  # each experiment says how many ranks its ops need
+    specs = {"sweep": sweep, "ar_vs_rs_ag": ar_vs_rs_ag, "repartition": repartition, "overlap": overlap}
+    specs = {k: v for k, v in specs.items() if v is not None}
+    if not specs:
+        raise ValueError(f"measure() got no experiment; give at least one of: {', '.join(EXPERIMENTS)}")
+    return run_experiments(world_size, _experiments(), specs, backend=backend, timeout_s=timeout_s, echo=echo)

@@ -341,7 +341,8 @@ def sweep(ops: str | Sequence[str] = "all", sizes: Sequence[int | str] | None = 
     spec = {"ops": ops, "sizes": sizes, "min_size": min_size, "max_size": max_size, "factor": factor,
             "dtype": dtype, "warmup": warmup, "repeats": repeats, "iters": iters, "timings": timings,
             "verify": verify}
-    return measure(world_size, sweep=spec, backend=backend, timeout_s=timeout_s, echo=echo)["sweep"]
+    return run_experiments(world_size, {"sweep": SWEEP}, {"sweep": spec}, backend=backend, timeout_s=timeout_s,
+                           echo=echo)["sweep"]
 
 
 def _sweep_prepare(world_size: int, ops="all", sizes=None, min_size="1K", max_size="4M", factor=2,
@@ -491,56 +492,34 @@ def load_reference(path: str | Path | None = None) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------------------
 # several experiments, one launch
 # ------------------------------------------------------------------------------------------------------
-#: the experiments :func:`measure` runs, in this order
-EXPERIMENTS = ("sweep", "ar_vs_rs_ag", "repartition", "overlap")
+def _run_planned_rank(ctx, plan: dict) -> dict:
+    """Inside a rank: each planned experiment's rank function in turn (``plan``: name -> (rank function,
+    its keyword arguments))."""
+    return {name: fn(ctx, **kwargs) for name, (fn, kwargs) in plan.items()}
 
 
-def _experiment(name: str) -> tuple:
-    """``name`` -> (prepare(world_size, **spec) -> rank kwargs, rank function, finish(...) -> result)."""
-    from labkit.experiments import collective_patterns as p
+def run_experiments(world_size: int, experiments: dict, specs: dict, *, backend: str = "auto",
+                    timeout_s: float = 300.0, echo: bool = False) -> dict:
+    """Run several experiments in **one** launch (a launch costs seconds: spawn, import torch, rendezvous).
 
-    return {"sweep": (_sweep_prepare, _sweep_all_rank, _sweep_finish),
-            "ar_vs_rs_ag": (p._ar_prepare, p.ar_vs_rs_ag_rank, p._ar_finish),
-            "repartition": (p._repartition_prepare, p.repartition_rank, p._repartition_finish),
-            "overlap": (p._overlap_prepare, p.overlap_rank, p._overlap_finish)}[name]
-
-
-def _measure_rank(ctx, plan: dict) -> dict:
-    """Inside a rank: run each planned experiment's rank function in turn."""
-    return {name: _experiment(name)[1](ctx, **kwargs) for name, kwargs in plan.items()}
-
-
-def measure(world_size: int = 2, *, sweep: dict | None = None, ar_vs_rs_ag: dict | None = None,
-            repartition: dict | None = None, overlap: dict | None = None, backend: str = "auto",
-            timeout_s: float = 300.0, echo: bool = False) -> dict:
-    """Run several of this module's experiments in **one** launch (a launch costs seconds: spawn, import
-    torch, rendezvous), in the order sweep, ar_vs_rs_ag, repartition, overlap.
-
-    Each argument is None (skip) or a dict of that experiment's keyword arguments, as taken by
-    :func:`sweep` (ops, sizes, min_size, max_size, factor, dtype, warmup, repeats, iters, timings, verify), and of
-    :mod:`labkit.experiments.collective_patterns`: :func:`~labkit.experiments.collective_patterns.ar_vs_rs_ag`
-    (nbytes, dtype, warmup, repeats), :func:`~labkit.experiments.collective_patterns.repartition_bytes`
-    (nbytes, dtype) and :func:`~labkit.experiments.collective_patterns.overlap` (nbytes, matmul_size, n_matmuls,
-    steps). Every spec is validated before any rank starts.
-
-    Returns a dict with one entry per experiment run, each what the single function returns.
-
-    Raises:
-        ValueError: world_size < 2, no experiment, an unknown keyword, or an experiment's own bad input.
-        labkit.LaunchError: a rank failed or the run timed out.
+    ``experiments``: name -> (prepare(world_size, **spec) -> rank kwargs, rank function, finish(per-rank results,
+    rank kwargs, world_size, every rank's result) -> result); ``specs``: name -> that experiment's keyword
+    arguments, run in ``specs``' order. Every spec is prepared (validated) before any rank starts. Returns
+    name -> the experiment's finished result. Raises ValueError for an unknown keyword (naming the
+    experiment) or the experiment's own bad input; labkit.LaunchError when a rank fails or the run times out.
     """
     from labkit.runtime.launcher import launch
 
-    world_size = positive_int("world_size", world_size)  # each experiment says how many ranks its ops need
-    specs = {"sweep": sweep, "ar_vs_rs_ag": ar_vs_rs_ag, "repartition": repartition, "overlap": overlap}
-    specs = {k: v for k, v in specs.items() if v is not None}
-    if not specs:
-        raise ValueError(f"measure() got no experiment; give at least one of: {', '.join(EXPERIMENTS)}")
     plan = {}
     for name, spec in specs.items():
+        prepare, rank_fn, _ = experiments[name]
         try:
-            plan[name] = _experiment(name)[0](world_size, **spec)
+            plan[name] = (rank_fn, prepare(world_size, **spec))
         except TypeError as e:
             raise ValueError(f"{name}={spec!r}: {e}") from None
-    res = launch(_measure_rank, world_size, plan, backend=backend, timeout_s=timeout_s, echo=echo)
-    return {name: _experiment(name)[2]([r[name] for r in res], plan[name], world_size, res) for name in plan}
+    res = launch(_run_planned_rank, world_size, plan, backend=backend, timeout_s=timeout_s, echo=echo)
+    return {name: experiments[name][2]([r[name] for r in res], plan[name][1], world_size, res) for name in plan}
+
+
+#: the sweep as one of :func:`run_experiments`' experiments (prepare, rank function, finish)
+SWEEP = (_sweep_prepare, _sweep_all_rank, _sweep_finish)
