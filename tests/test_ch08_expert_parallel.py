@@ -3,6 +3,8 @@ sentences written from it (each claim checked both ways), the recount table, the
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 
@@ -13,6 +15,14 @@ BASE = dict(tokens_per_rank=64, hidden_size=16, ffn_hidden_size=32, n_experts=8,
             capacity_factors=[0.5, 1.0], repeats=1, backend="gloo", emulate="dgx-h100", emulate_world_size=None,
             router_skews=[0.0, 3.0], my_prediction=None)
 
+
+
+def assert_emulated_label(label: str, prefix: str, most_unpriced: int = 15) -> None:
+    """The profile and model named; where the emulator says part of a rank's time went unpriced (ops it has no
+    cost for, issue 27), the label says so and that share stays small."""
+    m = re.fullmatch(re.escape(prefix) + r"(?:; incomplete: (\d+)% of rank \d+'s time unpriced)?\)", label)
+    assert m, label
+    assert m.group(1) is None or int(m.group(1)) <= most_unpriced, label
 
 @pytest.mark.parametrize("world_size, eps", [(2, [2, 4, 8]), (4, [2, 4, 8]), (8, [2, 4, 8])])
 def test_check_chapter_chooses_the_emulated_eps(world_size, eps):
@@ -71,10 +81,11 @@ def test_emulated_run_flips_with_the_router_skew():
     weak = ch.run_emulated(4, router_skews=[0.0, 0.01], **kw)
     assert strong["skew_slower"] and "as long as with no skew" in strong["conclusion"], strong["conclusion"]
     assert not weak["skew_slower"] and "within 10 % of the time with no skew" in weak["conclusion"], weak["conclusion"]
-    assert strong["label"] == "emulated (dgx-h100, as mixtral-8x7b)"
+    assert_emulated_label(strong["label"], "emulated (dgx-h100, as mixtral-8x7b")
     fig = ch.a2a_figure(strong)
-    assert {tr.name for tr in fig.data} == {"emulated (dgx-h100, as mixtral-8x7b)",
-                                            "predicted (cost model, uniform router)"}
+    names = {tr.name for tr in fig.data}
+    assert "predicted (cost model, uniform router)" in names and len(names) == 2
+    assert_emulated_label(next(n for n in names if n.startswith("emulated")), "emulated (dgx-h100, as mixtral-8x7b")
     assert {tr.legendgroup for tr in fig.data if tr.name.startswith("emulated")} == {"skew 0", "skew 4"}
 
 

@@ -3,6 +3,8 @@ the parameters), the exercise never shows its answer, bad parameters are refused
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 
@@ -11,6 +13,14 @@ from labkit.chapters import ch09_composing_meshes as ch
 OK = dict(world_size=4, model="lab-tiny-llama", steps=2, seq_len=32, n_microbatches=4, plan_model="llama-3-70b",
           plan_gpus=1024, plan_gpu="h100-80gb", gpus_per_node=8, plan_seq_len=8192, plan_global_batch=1024)
 
+
+
+def assert_emulated_label(label: str, prefix: str, most_unpriced: int = 15) -> None:
+    """The profile and model named; where the emulator says part of a rank's time went unpriced (ops it has no
+    cost for, issue 27), the label says so and that share stays small."""
+    m = re.fullmatch(re.escape(prefix) + r"(?:; incomplete: (\d+)% of rank \d+'s time unpriced)?\)", label)
+    assert m, label
+    assert m.group(1) is None or int(m.group(1)) <= most_unpriced, label
 
 def test_the_planner_agreement_sentence_flips_with_the_mesh():
     """Emulated (deterministic): the shallow pipeline's step is more than 5 % longer than the planner's
@@ -24,7 +34,7 @@ def test_the_planner_agreement_sentence_flips_with_the_mesh():
     assert "within 5%" in tb and "two errors cancel" in tb
     ch.check_loop(a, 0.05)
     ch.check_loop(b, 0.05)
-    assert a.attrs["label"] == "emulated (dgx-h100, as llama-3-8b)"
+    assert_emulated_label(a.attrs["label"], "emulated (dgx-h100, as llama-3-8b")
     fig = ch.loop_figure(a)
     assert [t.name for t in fig.data][:2] == ["emulated (dgx-h100, as llama-3-8b)",
                                               "predicted (planner: FLOPs / (peak x MFU) + 1F1B bubble + alpha-beta)"]
@@ -34,7 +44,7 @@ def test_the_planner_agreement_sentence_flips_with_the_mesh():
     from labkit.experiments.mesh_loop import reprice
 
     c = reprice(b, "dgx-a100")
-    assert c.attrs["label"] == "emulated (dgx-a100, as llama-3-8b)"
+    assert_emulated_label(c.attrs["label"], "emulated (dgx-a100, as llama-3-8b")
     assert c["emulated_s"].iloc[0] > b["emulated_s"].iloc[0]
 
 

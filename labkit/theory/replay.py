@@ -392,7 +392,7 @@ def replay(traces: Sequence[Sequence[tuple]], cluster: Cluster, charge: Charge |
     def resolve(inst: _Inst) -> None:
         start = max(inst.posted.values())
         if inst.kind == "coll":
-            skey = (inst.ranks, inst.key[2])
+            skey = inst.key[1]  # the stream: (members, process group)
             start = max(start, max(stream_free.get((m, skey), 0) for m in inst.ranks))
             fb, rep = charge.comm_factor(inst.ranks)
             cost = cluster.collective_s(inst.op, 0 if inst.op == "barrier" else inst.nbytes * fb, inst.ranks)
@@ -409,7 +409,7 @@ def replay(traces: Sequence[Sequence[tuple]], cluster: Cluster, charge: Charge |
         inst.cost = inst.end - inst.start
         if inst.kind == "coll":
             for m in inst.ranks:
-                stream_free[(m, (inst.ranks, inst.key[2]))] = inst.end
+                stream_free[(m, inst.key[1])] = inst.end
         members = sorted(set(inst.ranks))
         inst.link = cluster.link_of(inst.ranks) if len(set(inst.ranks)) > 1 else "-"
         dim = "pp" if inst.kind == "p2p" and tuple(inst.ranks) not in charge.group_dims else charge.dim_of(inst.ranks)
