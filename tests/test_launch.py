@@ -351,16 +351,16 @@ def test_same_function_under_torchrun(tmp_path):
 def test_worker_kwargs_must_be_a_json_object():
     env = dict(os.environ, PYTHONPATH=str(REPO), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT="1")
-    proc = subprocess.run([sys.executable, "-m", "labkit.runtime.worker", "labkit.experiments:hello", "--kwargs", "[1, 2]"],
-                          capture_output=True, text=True, timeout=60, env=env)
+    proc = subprocess.run([sys.executable, "-m", "labkit.runtime.worker", "labkit.experiments:hello", "--kwargs",
+                           "[1, 2]"], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "--kwargs must be a JSON object" in proc.stderr
 
 
 def test_worker_outside_torchrun_says_how():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([sys.executable, "-m", "labkit.runtime.worker", "labkit.experiments:hello"], capture_output=True,
-                          text=True, timeout=60, env=env)
+    proc = subprocess.run([sys.executable, "-m", "labkit.runtime.worker", "labkit.experiments:hello"],
+                          capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "not under torchrun" in proc.stderr
 
 
