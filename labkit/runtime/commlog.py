@@ -19,11 +19,10 @@ from __future__ import annotations
 import contextlib
 
 import pandas as pd
-import torch
 import torch.distributed as dist
 
 from labkit.checks import positive_int
-from labkit.parallel.comm import all_gather_tensor, reduce_scatter_tensor  # noqa: F401 - re-exported
+from labkit.parallel.comm import all_gather_tensor, nbytes, reduce_scatter_tensor  # noqa: F401 - wrappers re-exported
 from labkit.runtime.timeline import now_ns
 from labkit.theory import costmodel
 
@@ -63,14 +62,6 @@ def bus_factor(op: str, n: int) -> float:
     return costmodel.bus_factor("send_recv" if op == "send" else op, n)
 
 
-def _nbytes(t) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
-
-
 def _group_size(kwargs) -> int:
     group = kwargs.get("group")
     return dist.get_world_size(group) if group is not None else dist.get_world_size()
@@ -80,18 +71,18 @@ def _payload(name: str, args, kwargs) -> int:
     """S for one call, following the nccl-tests convention (module docstring)."""
     first = args[0] if args else next(iter(kwargs.values()), None)
     if name in ("all_gather_into_tensor", "all_gather_single"):
-        return _nbytes(args[0] if args else kwargs["output_tensor"])
+        return nbytes(args[0] if args else kwargs["output_tensor"])
     if name == "all_gather":
-        return _nbytes(args[0] if args else kwargs["tensor_list"])
+        return nbytes(args[0] if args else kwargs["tensor_list"])
     if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-        return _nbytes(args[1] if len(args) > 1 else kwargs["input"])
+        return nbytes(args[1] if len(args) > 1 else kwargs["input"])
     if name == "reduce_scatter":
-        return _nbytes(args[1] if len(args) > 1 else kwargs["input_list"])
+        return nbytes(args[1] if len(args) > 1 else kwargs["input_list"])
     if name in ("all_to_all_single",):
-        return _nbytes(args[1] if len(args) > 1 else kwargs["input"])
+        return nbytes(args[1] if len(args) > 1 else kwargs["input"])
     if name == "all_to_all":
-        return _nbytes(args[1] if len(args) > 1 else kwargs["input_tensor_list"])
-    return _nbytes(first)
+        return nbytes(args[1] if len(args) > 1 else kwargs["input_tensor_list"])
+    return nbytes(first)
 
 
 class CommLog:

@@ -40,14 +40,6 @@ _UNPRICED = re.compile(r"^_?(linalg_|cholesky|triangular_solve|fft_|_fft|lu|svd|
 _SDPA_CPU = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
-def _nbytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    return 0
-
-
 def _tensors(x, out: list) -> None:
     if isinstance(x, torch.Tensor):
         out.append(x)

@@ -53,7 +53,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from labkit.parallel.comm import nbytes
 from labkit.runtime.emulate import state
+from labkit.runtime.emulate.opcost import HOST_GAP_CPU_NS, _cpu_ns, _Mode, _tensors
 from labkit.runtime.timeline import now_ns
 
 #: torch.distributed function -> (canonical op, kind). Ops priced by another op's formula: reduce like
@@ -77,15 +79,6 @@ _S_ARGS = {
     "reduce_scatter": ("input", "input_list"),
     "all_to_all": ("input", "input_tensor_list"),
 }
-
-from labkit.runtime.emulate.opcost import (  # noqa: E402
-    _C10D,  # noqa: F401
-    HOST_GAP_CPU_NS,
-    _cpu_ns,
-    _Mode,
-    _nbytes,
-    _tensors,
-)
 
 
 class Tracer:
@@ -264,7 +257,7 @@ class Tracer:
                     self.events.append(("coll", t0, t1, uid, op, ranks, s, is_async, info))
             else:
                 peer = self._peer(op, a, group, out)
-                s = _nbytes(a.get("tensor")) if self.nbytes_override is None else self.nbytes_override
+                s = nbytes(a.get("tensor")) if self.nbytes_override is None else self.nbytes_override
                 self.events.append(("p2p", t0, t1, uid, op, peer, int(a.get("tag", 0) or 0), s, is_async, info))
             if is_async and out is not None:
                 self._remember(out, uid)
@@ -283,10 +276,10 @@ class Tracer:
     def _payload(self, op: str, a: dict) -> int:
         for key in _S_ARGS.get(op, ()):
             if a.get(key) is not None:
-                return _nbytes(a[key])
+                return nbytes(a[key])
         if op in ("all_gather",) and "tensor" in a:  # gather without a list on this rank
-            return _nbytes(a["tensor"]) * self.world_size
-        return _nbytes(a.get("tensor", a.get("tensors", a.get("input_tensor"))))
+            return nbytes(a["tensor"]) * self.world_size
+        return nbytes(a.get("tensor", a.get("tensors", a.get("input_tensor"))))
 
     def _peer(self, op: str, a: dict, group, out):
         key, gkey = ("dst", "group_dst") if op == "send" else ("src", "group_src")
@@ -496,7 +489,7 @@ class Tracer:
         except Exception:  # noqa: BLE001 - an unregistered group: the world
             ranks = tuple(range(self.world_size))
         # S as nccl-tests counts it: the (gathered) output's first argument, reduce-scatter's input (the second)
-        s = 0 if op == "barrier" else _nbytes(args[1]) if op == "reduce_scatter" else _nbytes(args[0])
+        s = 0 if op == "barrier" else nbytes(args[1]) if op == "reduce_scatter" else nbytes(args[0])
         uid = self.uid()
         is_async = bool(self.in_backward)
         info = self._info(op)
@@ -525,7 +518,7 @@ class Tracer:
             ranks = self._ranks(pg)
         except Exception:  # noqa: BLE001
             ranks = tuple(range(self.world_size))
-        s = _nbytes(out) if op == "all_gather" else _nbytes(args[0])
+        s = nbytes(out) if op == "all_gather" else nbytes(args[0])
         uid = self.uid()
         info = self._info(op)
         pgi = self._pg(pg, ranks) if pg is not None else 0
