@@ -216,6 +216,8 @@ class _Mode(TorchDispatchMode):
                         flops, shape = (int(f[0]), f[1]) if ok == "gemm" else (int(f), None)
                     except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: bytes only
                         flops, shape, ok = 0, None, "unpriced"
+            if tr.in_backward and tr.backward_pending and tr.pending_bufs:
+                tr.reducer_waits(ins, t0 + _SKEW)
             if ok == "unpriced":
                 tr.events.append(("u", t0 + _SKEW, t1 + _SKEW, func._schema.name.split("::")[-1]))
                 ok = "memory"

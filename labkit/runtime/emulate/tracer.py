@@ -26,7 +26,8 @@ What is observed, and how (every path is exercised by tests/test_emulate.py):
   ``Stream.synchronize`` / ``Event.synchronize`` (every outstanding async op of the rank).
 * **consumed early** — an operation that reads the buffer of an ``irecv`` (or of an async collective) before
   the program waited for it is recorded (``("use", t0, t1, uid)``): the replay flags it a dependency
-  violation when the emulated transfer had not ended.
+  violation when the emulated transfer had not ended. Inside a backward pass, reading the bucket of a DDP comm
+  hook's all-reduce is DDP's reducer, which waits for that bucket first: a wait, not a violation.
 * **what it cannot price** — aten operations with no FLOP formula that are not memory-bound (linear algebra
   decompositions, FFTs, distance kernels) are charged by their bytes and recorded with their measured time
   (``("u", t0, t1, name)``); host work outside torch (numpy, Python loops) is main-thread CPU time between
@@ -97,6 +98,7 @@ class Tracer:
         self.in_backward = 0
         self.backward_pending: list[int] = []
         self.hook_depth = 0
+        self.in_callback = 0  # inside a Future.then callback on the main thread
         self.nbytes_override: int | None = None
         # end of the last traced event (no gap before the first: the rank function's start-up is not work)
         self.wall_mark, self.cpu_mark = now_ns(), float("inf")
@@ -344,6 +346,21 @@ class Tracer:
         if ptrs:
             self._buf_of[uid] = ptrs
 
+    def reducer_waits(self, ins: list, t0: int) -> None:
+        """Inside a backward pass, an operation about to read the buffer of async work issued in that backward
+        (a DDP comm hook's bucket all-reduce): DDP's reducer waits for each bucket's future before it copies the
+        bucket out (``finalize_backward``, in C++ where no Python wait is seen), so this is a wait at ``t0``,
+        recorded before the operation, not a read of unfinished data."""
+        for a in ins:
+            try:
+                p = a.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001
+                continue
+            uid = self.pending_bufs.get(p)
+            if uid is not None and uid in self.backward_pending:
+                self.backward_pending.remove(uid)
+                self.record_waits((uid,), t0, t0)
+
     def check_use(self, ins: list, t0: int, t1: int) -> None:
         """An operation read ``ins``: a buffer of async work not yet waited is consumed before it completes."""
         for a in ins:
@@ -403,7 +420,7 @@ class Tracer:
         def wait(fut, *args, **kwargs):
             t0 = now_ns()
             out = orig(fut, *args, **kwargs)
-            uids = tracer._uids_of_future(fut)
+            uids = tracer._uids_of_future(fut) if not tracer.in_callback else ()
             if uids:
                 tracer.record_waits(uids, t0, now_ns())
             return out
@@ -417,7 +434,7 @@ class Tracer:
         def done(fut, *args, **kwargs):
             t0 = now_ns()
             out = orig(fut, *args, **kwargs)
-            uids = tracer._uids_of_future(fut) if out else ()
+            uids = tracer._uids_of_future(fut) if out and not tracer.in_callback else ()
             if uids and any(u in tracer.outstanding for u in uids):
                 tracer.record_waits(uids, t0, now_ns())
             return out
@@ -428,7 +445,18 @@ class Tracer:
         tracer = self
 
         def then(fut, callback, *args, **kwargs):
-            out = orig(fut, callback, *args, **kwargs)
+            def traced_callback(f):
+                # a callback runs once its future is complete: the value() or wait() it calls is no wait of the
+                # program's. It runs inline on the main thread when the work had already ended (else on the
+                # backend's thread): counting it would make the trace depend on timing.
+                main = threading.get_ident() == tracer.main
+                tracer.in_callback += main
+                try:
+                    return callback(f)
+                finally:
+                    tracer.in_callback -= main
+
+            out = orig(fut, traced_callback, *args, **kwargs)
             uids = tracer._uids_of_future(fut)
             if uids:  # the chained future completes after the work (and the callback): waiting on it waits on it
                 tracer.futures[id(out)] = (uids, out)
