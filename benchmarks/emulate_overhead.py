@@ -9,7 +9,9 @@ Then chapter 06's fixed-compute pipeline jobs (GPipe, 1F1B, interleaved, ZB-H1; 
 ``--op-ms`` stand-in ops) on ``--big-world-size`` ranks, emulated once: its wall time, and its emulated bubble
 beside the simulator's.
 
-Prints the ratio last (goal <= 1.3); exit status 1 when the goal is missed, 2 on bad arguments.
+Each emulated run's losses and gradients are checked against its unemulated twin first (the tracer must not
+change what the program computes); a difference is printed and exits 1 before any ratio. Prints the ratio last
+(goal <= 1.3); exit status 1 when the goal is missed or the results differ, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -34,6 +36,24 @@ def _timed_launch(world_size: int, emulate, steps: int):
     res = launch(run_rank, world_size, runs=[{"variant": "bucket"}, {"variant": "ddp"}], steps=steps,
                  emulate=emulate, echo=False, timeout_s=600)
     return time.perf_counter() - t0, res
+
+
+def results_differ(plain, emulated) -> str | None:
+    """Where the emulated run's results differ from the unemulated run's (the same program must compute the
+    same losses and gradients, else the ratio compares two different runs), or None: losses within 1e-6
+    relative, gradients ``torch.allclose`` at rtol 1e-5, per rank and variant."""
+    import math
+
+    import torch
+
+    for rank, (a, b) in enumerate(zip(plain, emulated, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if not all(math.isclose(u, v, rel_tol=1e-6) for u, v in zip(x["losses"], y["losses"], strict=True)):
+                return f"rank {rank}, run {i}: losses {x['losses']} unemulated vs {y['losses']} emulated"
+            for name, g in x.get("grads", {}).items():
+                if not torch.allclose(g, y["grads"][name], rtol=1e-5, atol=1e-7):
+                    return f"rank {rank}, run {i}: gradient of {name} differs between the two runs"
+    return None
 
 
 def _pipeline_entry():
@@ -90,8 +110,12 @@ def main(argv=None) -> int:
     _timed_launch(args.world_size, None, 1)  # warm the OS file cache
     plain, emulated, ratios = [], [], []
     for _ in range(args.repeats):
-        a, _ = _timed_launch(args.world_size, None, args.steps)
+        a, ref = _timed_launch(args.world_size, None, args.steps)
         b, res = _timed_launch(args.world_size, args.profile, args.steps)
+        why = results_differ(list(ref), list(res))
+        if why is not None:  # the two runs computed different things: no ratio to print
+            print(f"the emulated run's results differ from the unemulated run's: {why}")
+            return 1
         plain.append(a)
         emulated.append(b)
         ratios.append(b / a)

@@ -59,3 +59,24 @@ def test_emulate_none_from_the_command_line_turns_emulation_off():
     assert ch.as_emulate("None") is None and ch.as_emulate(None) is None and ch.as_emulate(False) is None
     assert ch.as_emulate("dgx-h100") == "dgx-h100"
     ch.check_chapter(world_size=3, emulate="None", my_prediction=None, work_ms=1.0, steps=1, timeout_s=10.0)
+
+
+def _run(measured, emulated=None):
+    waits = ch.wait_table(_frame(*measured))
+    ew = ch.wait_table(_frame(*emulated)) if emulated is not None else None
+    return {"waits": waits, "findings": ch.straggler_findings(waits, 40.0, emulated=ew, label="emulated (x)")}
+
+
+def test_the_straggler_check_fails_on_a_program_without_a_straggler():
+    """Issue 27: the old emulated check (the last to arrive waits least, gap >= 0) held for equal work too."""
+    straggler = ([40, 80], [81, 81])
+    ch.check_straggler(_run(straggler, straggler), 40.0)
+    no_straggler = ([40, 40], [41, 41])  # both ranks arrive together: nobody waits for anybody
+    old = _run(straggler, no_straggler)["findings"]["emulated"]
+    assert old["last_waits_least"] and old["gap_ms"] >= 0  # what the notebook used to check: it passes
+    with pytest.raises(AssertionError, match="emulated: rank 0's predicted wait 0 ms"):
+        ch.check_straggler(_run(straggler, no_straggler), 40.0)
+    with pytest.raises(AssertionError, match="no straggler|computed"):
+        ch.check_straggler(_run(([40, 41], [42, 42])), 40.0)
+    with pytest.raises(AssertionError):  # the straggler is there but rank 0 left all_reduce early
+        ch.check_straggler(_run(([40, 80], [45, 81])), 40.0)

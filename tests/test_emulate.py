@@ -558,3 +558,21 @@ def test_benchmark_bad_argument_is_one_line_exit_2(bad):
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(repo)), timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("emulate_overhead: "), proc.stderr
+
+
+def test_the_overhead_benchmark_refuses_to_compare_runs_whose_results_differ():
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "emulate_overhead.py"
+    spec = importlib.util.spec_from_file_location("emulate_overhead", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    run = [[{"losses": [5.5, 5.4], "grads": {"w": torch.ones(3)}}]] * 2
+    assert mod.results_differ(run, run) is None
+    other_loss = [[{"losses": [5.5, 5.3], "grads": {"w": torch.ones(3)}}]] * 2
+    assert "losses" in mod.results_differ(run, other_loss)
+    other_grad = [[{"losses": [5.5, 5.4], "grads": {"w": torch.ones(3) * 1.01}}]] * 2
+    assert "gradient of w" in mod.results_differ(run, other_grad)

@@ -138,6 +138,37 @@ def straggler_findings(waits: pd.DataFrame, work_ms: float, *, emulated: pd.Data
     return out
 
 
+def check_straggler(run: dict, work_ms: float) -> None:
+    """Section 3's checks on a :func:`straggler_run` (AssertionError with the conclusion when one fails):
+
+    * measured: each rank computed 0.9-3x the (r+1) x ``work_ms`` asked; every gap (time in all_reduce minus
+      the predicted wait) within [-2, 250] ms (timer jitter; a stuck collective); the straggler is there —
+      rank 0's predicted wait is at least half the (n-1) x ``work_ms`` the program asks for, and rank 0 really
+      spent at least 80 % of it inside all_reduce; at 2 ranks the last to arrive waits least in every step;
+    * emulated (deterministic stand-in compute): rank 0's predicted wait is (n-1) x ``work_ms`` within 1 %,
+      it spent at least that inside all_reduce, and the last rank to arrive waits least in every step.
+
+    A program without a straggler (equal work) fails the straggler checks, whatever its timings."""
+    found, waits = run["findings"], run["waits"]
+    m, why = found["measured"], found["conclusion"]
+    n = m["n"]
+    asked = (n - 1) * work_ms
+    for r, ratio in m["compute_over_asked"].items():
+        assert 0.9 < ratio < 3.0, f"rank {r} computed {ratio:.2f}x its (r+1)*work_ms"
+    assert (waits["gap_ms"] > -2.0).all(), waits[waits["gap_ms"] <= -2.0]  # 2 ms: timer and wake-up jitter
+    assert (waits["gap_ms"] < 250.0).all(), waits[waits["gap_ms"] >= 250.0]  # a stuck collective blows this up
+    assert m["rank0_predicted_ms"] >= 0.5 * asked, (
+        f"no straggler: rank 0's predicted wait {m['rank0_predicted_ms']:.3g} ms, the program asks {asked:g} ms")
+    assert m["rank0_wait_ms"] >= 0.8 * m["rank0_predicted_ms"], why
+    assert m["last_waits_least"] or n > 2, why
+    if "emulated" in found:
+        e = found["emulated"]
+        assert abs(e["rank0_predicted_ms"] / asked - 1) < 0.01, (
+            f"emulated: rank 0's predicted wait {e['rank0_predicted_ms']:.4g} ms, the program asks {asked:g} ms")
+        assert e["rank0_wait_ms"] >= e["rank0_predicted_ms"] and e["gap_ms"] >= 0, why
+        assert e["last_waits_least"], why
+
+
 def wait_figure(run: dict):
     """Time inside all_reduce per rank (median over steps): ``measured``, ``predicted (last arrival − arrival)``
     from the measured arrivals, and the emulated run's time beside its own predicted wait, when there is one."""
