@@ -105,3 +105,25 @@ def test_cluster_panel_reprices_and_redraws():
     emu = [tr for tr in after.data if tr.name.startswith("emulated")]
     assert emu and list(emu[0].y) != list(before[0]), "re-pricing on a slower cluster must change the busbw"
     assert max(emu[0].y) < 40, "PCIe 4.0 at 32 GB/s cannot give an all-reduce busbw beyond its link"
+
+
+@pytest.mark.slow
+def test_the_emulated_sweep_is_checked_against_published_rows_and_a_wrong_model_fails():
+    """Issue 27: chapter 02's emulated check compares with measurements the model was not fitted on (8 x H100
+    on one node: nccl-tests#309, #212, #272, nccl#1281, #1455), not with the model; the same traces priced 30 %
+    slow (a wrong model) fail it."""
+    run = ch.emulated_sweep_run(8, "dgx-h100", sizes=[2**20], timeout_s=240)
+    assert sorted(set(run["table"]["bytes"])) == [2**20]  # the asked sweep stays as asked
+    beside = ch.published_beside(run)
+    assert {"nccl-tests#309", "nccl#1455", "nccl#1281"} <= set(beside["source"])
+    assert "NCCL_ALGO=RING" not in " ".join(beside["source"])  # forced-ring rows do not apply to an NVLS node
+    assert "of S >= 64 MiB" in ch.check_published(beside)
+    from labkit.experiments.emulate import sweep_table
+    from labkit.theory.cluster import get_cluster
+
+    slow = run["emulation"].reprice(get_cluster("dgx-h100").replace(link_efficiency=0.7))
+    wrong = dict(run, emulation=slow, published_sizes_table=sweep_table(slow, run["cases"]))
+    with pytest.raises(AssertionError, match="outside the published rows' tolerance"):
+        ch.check_published(ch.published_beside(wrong))
+    none = ch.published_beside(ch.emulated_sweep_run(2, "pcie-4090", sizes=[2**20], timeout_s=240))
+    assert none.empty and "not checked against a measurement" in ch.check_published(none)
