@@ -137,6 +137,70 @@ class _Stage(nn.Module):
         self.lm_head = tpm.lm_head if last else None
 
 
+def one_f_one_b_step(actions, tpm, stage, dpm, *, stage_index: int, m: int, first: bool, last: bool, prev, nxt,
+                     shape: tuple, inputs, targets, dtype=None, device=None, timer=None,
+                     keep_loss: bool = True) -> float:
+    """One pipeline step of one stage on its 1F1B ``actions`` (:func:`labkit.theory.simulate.make_schedule`):
+    every receive posted first (``irecv`` of [mbs, T, H] activations from ``prev``, of their gradients from
+    ``nxt``), then each action's forward (``stage.layers`` of the TP model ``tpm``: the embedding on the first
+    stage, the head and loss / ``m`` on the last) or backward, ``isend`` of its output or input gradient; the
+    last micro-batch's backward lets ``dpm`` (a :class:`~labkit.parallel.data.DataParallelBucket`) launch its
+    buckets; then every send waited and the gradients synchronised. ``inputs(mb)`` / ``targets(mb)`` give the
+    micro-batch's token ids [mbs, T]; ``timer(name, **tags)`` (e.g. ``ctx.timer``) times each F and B when
+    given. Tags: ``2·m·s + mb`` forward into stage s, ``2·m·s + m + mb`` backward out of it. Returns the sum of
+    the last stage's micro-batch losses (0.0 elsewhere, or when ``keep_loss`` is False: a fake-tensor run has
+    no values)."""
+    import contextlib
+
+    s = stage_index
+    recvs = {}
+    for a in actions:  # every receive posted at the start of the step
+        if a.op == "F" and not first:
+            buf = torch.empty(shape, dtype=dtype, device=device)  # [mbs, T, H]
+            recvs[("F", a.microbatch)] = (dist.irecv(buf, src=prev, tag=2 * m * s + a.microbatch), buf)
+        elif a.op == "B" and not last:
+            buf = torch.empty(shape, dtype=dtype, device=device)  # [mbs, T, H]
+            recvs[("B", a.microbatch)] = (dist.irecv(buf, src=nxt, tag=2 * m * (s + 1) + m + a.microbatch), buf)
+    sends, held, total = [], {}, 0.0
+    for a in actions:
+        mb = a.microbatch
+        timed = timer(a.op, microbatch=mb) if timer is not None else contextlib.nullcontext()
+        if a.op == "F":
+            if first:
+                x = inputs(mb)  # [mbs, T] int64
+            else:
+                work, x = recvs.pop(("F", mb))
+                work.wait()
+                x.requires_grad_(True)  # [mbs, T, H]
+            with timed:
+                y = tpm.embed_tokens(x) if first else x
+                for layer in stage.layers:
+                    y = layer(y)  # [mbs, T, H]
+                if last:
+                    y = tpm.loss(tpm.head(y), targets(mb)) / m  # scalar
+                    if keep_loss:
+                        total += float(y.detach())
+            held[mb] = (x, y)
+            if not last:
+                sends.append(dist.isend(y.detach(), dst=nxt, tag=2 * m * (s + 1) + mb))
+        else:
+            x, y = held.pop(mb)
+            grad = None
+            if not last:
+                work, grad = recvs.pop(("B", mb))
+                work.wait()
+            if mb == m - 1:
+                dpm._pending = True  # this backward completes every gradient: its hooks launch the buckets
+            with timed:
+                torch.autograd.backward(y, grad_tensors=grad)
+            if not first:
+                sends.append(dist.isend(x.grad, dst=prev, tag=2 * m * s + m + mb))
+    for w in sends:
+        w.wait()
+    dpm.finish_grad_sync()
+    return total
+
+
 def step3d_rank(ctx, dp: int, tp: int, pp: int, *, model: str = "lab-tiny-llama", seq_len: int = 32,
                 micro_batch_size: int = 1, n_microbatches: int = 4, steps: int = 2, lr: float = 1e-3,
                 seed: int = 0, data_seed: int = 0) -> dict:
@@ -192,60 +256,17 @@ def step3d_rank(ctx, dp: int, tp: int, pp: int, *, model: str = "lab-tiny-llama"
     gbs = dp * mbs * m
     losses = []
 
-    def run_layers(x):
-        for layer in stage.layers:
-            x = layer(x)  # [mbs, T, H]
-        return x
-
     for step in range(steps):
         tokens, targets = data.batch(step, gbs)  # [gbs, T]
         tokens, targets = shard(tokens, coords["dp"], dp), shard(targets, coords["dp"], dp)  # [mbs*m, T]
         ctx.barrier()
         with ctx.timer("step", step=step):
             opt.zero_grad(set_to_none=True)
-            recvs = {}
-            for a in actions:
-                shape = (mbs, seq_len, spec.hidden_size)
-                if a.op == "F" and not first:
-                    buf = torch.empty(shape, device=ctx.device)
-                    recvs[("F", a.microbatch)] = (dist.irecv(buf, src=prev, tag=2 * m * s + a.microbatch), buf)
-                elif a.op == "B" and not last:
-                    buf = torch.empty(shape, device=ctx.device)
-                    recvs[("B", a.microbatch)] = (dist.irecv(buf, src=nxt, tag=2 * m * (s + 1) + m + a.microbatch),
-                                                  buf)
-            sends, held, total = [], {}, 0.0
-            for a in actions:
-                mb, tags = a.microbatch, {"step": step, "stage": s, "microbatch": a.microbatch}
-                if a.op == "F":
-                    if first:
-                        x = shard(tokens, mb, m)  # [mbs, T] int64
-                    else:
-                        work, x = recvs.pop(("F", mb))
-                        work.wait()
-                        x.requires_grad_(True)  # [mbs, T, H]
-                    with ctx.timer("F", **tags):
-                        y = run_layers(tpm.embed_tokens(x) if first else x)
-                        if last:
-                            y = tpm.loss(tpm.head(y), shard(targets, mb, m)) / m  # scalar
-                            total += float(y.detach())
-                    held[mb] = (x, y)
-                    if not last:
-                        sends.append(dist.isend(y.detach(), dst=nxt, tag=2 * m * (s + 1) + mb))
-                else:
-                    x, y = held.pop(mb)
-                    grad = None
-                    if not last:
-                        work, grad = recvs.pop(("B", mb))
-                        work.wait()
-                    if mb == m - 1:
-                        dpm._pending = True  # this backward completes every gradient: its hooks launch the buckets
-                    with ctx.timer("B", **tags):
-                        torch.autograd.backward(y, grad_tensors=grad)
-                    if not first:
-                        sends.append(dist.isend(x.grad, dst=prev, tag=2 * m * s + m + mb))
-            for w in sends:
-                w.wait()
-            dpm.finish_grad_sync()
+            total = one_f_one_b_step(
+                actions, tpm, stage, dpm, stage_index=s, m=m, first=first, last=last, prev=prev, nxt=nxt,
+                shape=(mbs, seq_len, spec.hidden_size), inputs=lambda mb, t=tokens: shard(t, mb, m),
+                targets=lambda mb, t=targets: shard(t, mb, m), device=ctx.device,
+                timer=lambda name, step=step, **tags: ctx.timer(name, step=step, stage=s, **tags))
             with ctx.timer("optimizer", "other", step=step):
                 opt.step()
         losses.append(total if last else None)

@@ -424,7 +424,7 @@ def step_rank(ctx, dp: int, tp: int, pp: int, *, model: str = "llama-3-70b", seq
     import torch
     import torch.distributed as dist
 
-    from labkit.experiments.emulate import _Stage
+    from labkit.experiments.emulate import _Stage, one_f_one_b_step
     from labkit.parallel.data import DataParallelBucket
     from labkit.parallel.tensor import apply_tp
     from labkit.theory.mesh import ParallelDims
@@ -452,47 +452,10 @@ def step_rank(ctx, dp: int, tp: int, pp: int, *, model: str = "llama-3-70b", seq
     prev = dims.rank_of(tp=coords["tp"], dp=coords["dp"], pp=s - 1) if not first else None
     nxt = dims.rank_of(tp=coords["tp"], dp=coords["dp"], pp=s + 1) if not last else None
     tokens = torch.randint(0, spec.vocab_size, (mbs, seq_len))
-    shape = (mbs, seq_len, spec.hidden_size)
     dist.barrier()  # the step starts here: emulate_mesh drops the set-up (parameter broadcasts) before it
-    recvs, sends, held = {}, [], {}
-    for a in actions:  # every receive posted at the start of the step
-        if a.op == "F" and not first:
-            buf = torch.empty(shape, dtype=torch.bfloat16)
-            recvs[("F", a.microbatch)] = (dist.irecv(buf, src=prev, tag=2 * m * s + a.microbatch), buf)
-        elif a.op == "B" and not last:
-            buf = torch.empty(shape, dtype=torch.bfloat16)
-            recvs[("B", a.microbatch)] = (dist.irecv(buf, src=nxt, tag=2 * m * (s + 1) + m + a.microbatch), buf)
-    for a in actions:
-        mb = a.microbatch
-        if a.op == "F":
-            if first:
-                x = tokens
-            else:
-                work, x = recvs.pop(("F", mb))
-                work.wait()
-                x.requires_grad_(True)
-            y = tpm.embed_tokens(x) if first else x
-            for layer in stage.layers:
-                y = layer(y)  # [mbs, T, H]
-            if last:
-                y = tpm.loss(tpm.head(y), tokens) / m
-            held[mb] = (x, y)
-            if not last:
-                sends.append(dist.isend(y.detach(), dst=nxt, tag=2 * m * (s + 1) + mb))
-        else:
-            x, y = held.pop(mb)
-            grad = None
-            if not last:
-                work, grad = recvs.pop(("B", mb))
-                work.wait()
-            if mb == m - 1:
-                dpm._pending = True  # this backward completes every gradient: its hooks launch the buckets
-            torch.autograd.backward(y, grad_tensors=grad)
-            if not first:
-                sends.append(dist.isend(x.grad, dst=prev, tag=2 * m * s + m + mb))
-    for w in sends:
-        w.wait()
-    dpm.finish_grad_sync()
+    one_f_one_b_step(actions, tpm, stage, dpm, stage_index=s, m=m, first=first, last=last, prev=prev, nxt=nxt,
+                     shape=(mbs, seq_len, spec.hidden_size), inputs=lambda mb: tokens, targets=lambda mb: tokens,
+                     dtype=torch.bfloat16, keep_loss=False)
     opt.step()
     dpm.close()
     return {"stage": s, "coords": coords, "layers": [lo, hi]}
