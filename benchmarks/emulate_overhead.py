@@ -33,8 +33,9 @@ def _timed_launch(world_size: int, emulate, steps: int):
     from labkit.runtime.launcher import launch
 
     t0 = time.perf_counter()
+    # chapter 03's global batch of 8, or one sequence per rank where the world is larger (dp must divide it)
     res = launch(run_rank, world_size, runs=[{"variant": "bucket"}, {"variant": "ddp"}], steps=steps,
-                 emulate=emulate, echo=False, timeout_s=600)
+                 global_batch_size=max(8, world_size), emulate=emulate, echo=False, timeout_s=600)
     return time.perf_counter() - t0, res
 
 
