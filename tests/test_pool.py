@@ -421,7 +421,8 @@ def test_pool_is_refused_like_a_launch_when_it_does_not_fit():
 def test_a_forked_child_never_uses_or_closes_the_parents_pool():
     # Python 3.12+ warns at os.fork() when the process has other OS threads ("This process is multi-threaded,
     # use of fork() may lead to deadlocks in the child"); here they are torch's intra-op pool, started by an
-    # earlier test's tensor op, and the rank template's start thread. The deadlock it warns of is a child that
+    # earlier test's tensor op (3 OS threads after one matmul in a fresh interpreter), and any labkit thread
+    # still running. The deadlock it warns of is a child that
     # takes a lock one of those threads held at the fork. This child takes none: it reads the pool module's
     # plain Python state (a pool whose owner pid is not the child's is closed to it), calls close_all on
     # nothing and leaves by os._exit, with no torch op, logging or import. So it is safe here, and the
