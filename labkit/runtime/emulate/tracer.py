@@ -227,6 +227,7 @@ class Tracer:
         def wrapper(*args, **kwargs):
             if self.depth:
                 return fn(*args, **kwargs)
+            c_in = _cpu_ns()  # this call's own bookkeeping, before and after the call, is not host work
             self._check_thread(f"dist.{name}")
             try:
                 a = sig.bind(*args, **kwargs).arguments
@@ -237,7 +238,7 @@ class Tracer:
                 return fn(*args, **kwargs)
             self.depth += 1
             t0 = now_ns()
-            self.gap(t0)
+            self.gap(t0, c_in)
             try:
                 out = fn(*args, **kwargs)
             finally:
@@ -268,6 +269,7 @@ class Tracer:
                     self._track(uid, a.get("tensor", a.get("output_tensor", a.get("output"))))
             if self.in_backward and self.hook_depth and is_async:
                 self.backward_pending.append(uid)
+            self.mark(t1)
             return out
 
         wrapper._labkit_emulate = True
@@ -301,10 +303,10 @@ class Tracer:
         self.works[id(work)] = (uid, work)
 
     # -- waits ---------------------------------------------------------------------------------------------------
-    def gap(self, t0: int) -> None:
-        """Before a traced event starting at ``t0``: record the host CPU work since the last one if above
-        :data:`HOST_GAP_CPU_NS`."""
-        c = _cpu_ns()
+    def gap(self, t0: int, c: int | None = None) -> None:
+        """Before a traced event starting at ``t0`` (the tracer's own work on it began at CPU time ``c``,
+        default now): record the host CPU work since the last one if above :data:`HOST_GAP_CPU_NS`."""
+        c = _cpu_ns() if c is None else c
         if c - self.cpu_mark > HOST_GAP_CPU_NS and threading.get_ident() == self.main:
             self.events.append(("u", self.wall_mark, t0, "host", c - self.cpu_mark))
             self.cpu_mark = c
@@ -319,13 +321,13 @@ class Tracer:
         if threading.get_ident() != self.main:
             return
         self.gap(t0)
-        self.mark(t1)
         for uid in uids:
             self.events.append(("wait", t0, t1, uid))
             self.outstanding.pop(uid, None)
             for ptr in self._buf_of.pop(uid, ()):
                 if self.pending_bufs.get(ptr) == uid:
                     del self.pending_bufs[ptr]
+        self.mark(t1)
 
     def _uids_of_future(self, fut) -> tuple:
         entry = self.futures.get(id(fut))
