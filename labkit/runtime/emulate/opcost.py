@@ -156,7 +156,6 @@ class _Mode(TorchDispatchMode):
         return k
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        c_in = _cpu_ns()  # from here on this dispatch is the tracer's and torch's, not the program's host work
         kwargs = kwargs or {}
         for t in types:
             if t is not torch.Tensor and t is not torch.nn.Parameter:
@@ -168,13 +167,14 @@ class _Mode(TorchDispatchMode):
         if entry is not None:
             k = entry[1]
         else:  # the tracer's own first look at an operation is not the program's host work
+            c = _cpu_ns()
             k = self._kind(func)
-            tr.cpu_mark += _cpu_ns() - c_in
-            c_in = _cpu_ns()
+            tr.cpu_mark += _cpu_ns() - c
         kind = k[0]
         if kind == "free" and not tr.depth and threading.get_ident() == tr.main:
-            out = func(*args, **kwargs)  # a view's dispatch (slow under fake tensors) is not host work outside torch
-            tr.cpu_mark += _cpu_ns() - c_in
+            c = _cpu_ns()  # torch's own dispatch of a view (slow under fake tensors) is not host work outside torch
+            out = func(*args, **kwargs)
+            tr.cpu_mark += _cpu_ns() - c
             return out
         if kind == "free" or tr.depth or threading.get_ident() != tr.main:
             return func(*args, **kwargs)
